@@ -1,0 +1,192 @@
+"""The ``"triton"`` backend: Triton FlashAttention kernels behind the contract of ``base``.
+
+Inputs stay in the contract's ``(batch, seq, heads, head_dim)`` layout: the kernels
+take strides, so nothing is transposed or copied. GQA/MQA map query head ``h`` to
+key/value head ``h // (heads // kv_heads)`` inside the kernels. Head dims 64, 80, 96
+and 128 are padded to a power of two inside the kernels with masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .base import check_qkv
+from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
+from .triton_common import LOG2E, bucket, interpreting
+from .triton_fwd import _attn_fwd
+
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_qkv(q, k, v)
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"the triton backend needs CUDA tensors; got tensors on {q.device}. Move them to a GPU, set "
+            "TRITON_INTERPRET=1 (before importing triton) to run in Triton's CPU interpreter, or use "
+            "backend='reference'."
+        )
+    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"the triton backend supports head dims {SUPPORTED_HEAD_DIMS}; got {q.shape[3]}. "
+            "Use backend='reference' (any head dim) for this model."
+        )
+    if q.dtype not in _DTYPES:
+        raise ValueError(
+            f"the triton backend supports float16, bfloat16 and float32 inputs; got {q.dtype}. "
+            "Cast the inputs, or use backend='reference' for float64."
+        )
+
+
+def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if t.dtype != torch.float32 or tuple(t.shape) != shape or t.device != device:
+        raise ValueError(
+            f"{name} must be a float32 tensor of shape {shape} on {device}; got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}. Allocate it with torch.zeros(..., dtype=torch.float32)."
+        )
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # float32 inputs (tests, CPU interpreter) get exact float32 products, not tf32.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate an output the kernels fully overwrite (tests patch this to poison outputs with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _s(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+class TritonKernel:
+    """Triton FlashAttention-2 style kernels with running-statistics accumulation."""
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merge into them in place."""
+        _check_inputs(q, k, v)
+        b, lq, h, d = q.shape
+        lk, hk = k.shape[1], k.shape[2]
+        accum = out is not None or lse is not None
+        if accum:
+            if out is None or lse is None:
+                raise ValueError("accumulate mode needs both the running out and lse; pass both or neither.")
+            _check_buffer("running out", out, (b, lq, h, d), q.device)
+            _check_buffer("running lse", lse, (b, h, lq), q.device)
+        else:
+            out = _new((b, lq, h, d), q.dtype, q.device)
+            lse = _new((b, h, lq), torch.float32, q.device)
+        if lq == 0 or b == 0 or h == 0:
+            return out, lse
+        if lk == 0:
+            if not accum:
+                out.zero_()
+                lse.fill_(float("-inf"))
+            return out, lse
+
+        def grid(meta):
+            return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
+
+        _attn_fwd[grid](
+            q, k, v, out, lse,
+            *_s(q), *_s(k), *_s(v), *_s(out), *_s(lse),
+            lq, lk, lk - lq, h // hk, float(scale) * LOG2E,
+            bucket(lq), bucket(lk),
+            HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), ACCUM=accum,
+            PREC=_prec(q.dtype),
+        )
+        return out, lse
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        delta: torch.Tensor | None = None,
+        dq: torch.Tensor | None = None,
+        dk: torch.Tensor | None = None,
+        dv: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 ``(dq, dk, dv)`` of this chunk (added into ``dq``/``dk``/``dv`` when given)."""
+        _check_inputs(q, k, v)
+        b, lq, h, d = q.shape
+        lk, hk = k.shape[1], k.shape[2]
+        dev = q.device
+        if tuple(dout.shape) != tuple(q.shape) or dout.device != dev:
+            raise ValueError(f"dout must have q's shape {tuple(q.shape)} on {dev}; got {tuple(dout.shape)}.")
+        if dout.dtype != q.dtype:
+            raise ValueError(f"dout dtype {dout.dtype} differs from q's {q.dtype}; cast dout to q's dtype.")
+        if tuple(lse.shape) != (b, h, lq) or lse.device != dev:
+            raise ValueError(f"lse must have shape {(b, h, lq)} on {dev}; got {tuple(lse.shape)}.")
+        if delta is None:
+            if tuple(out.shape) != tuple(q.shape) or out.device != dev:
+                raise ValueError(f"out must have q's shape {tuple(q.shape)}; got {tuple(out.shape)}.")
+        else:
+            _check_buffer("delta", delta, (b, h, lq), dev)
+        if (dk is None) != (dv is None):
+            raise ValueError("pass dk and dv together (both or neither): they share one kernel.")
+        grads = []
+        shapes = (("dq", dq, (b, lq, h, d)), ("dk", dk, (b, lk, hk, d)), ("dv", dv, (b, lk, hk, d)))
+        for name, given, shape in shapes:
+            if given is None:
+                grads.append(_new(shape, torch.float32, dev))
+            else:
+                _check_buffer(name, given, shape, dev)
+                grads.append(given)
+        dq_t, dk_t, dv_t = grads
+        if lq == 0 or lk == 0 or b == 0 or h == 0:
+            for given, t in ((dq, dq_t), (dk, dk_t), (dv, dv_t)):
+                if given is None:
+                    t.zero_()
+            return dq_t, dk_t, dv_t
+        if lse.dtype != torch.float32:
+            lse = lse.float()
+        d_pad = triton.next_power_of_2(d)
+        if delta is None:
+            delta = _new((b, h, lq), torch.float32, dev)
+            block = 16 if interpreting() else 64
+            _delta_kernel[(triton.cdiv(lq, block), h, b)](
+                out, dout, delta, *_s(out), *_s(dout), *_s(delta), lq,
+                HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block, num_warps=4,
+            )
+        common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype)}
+        lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
+
+        def grid_kv(meta):
+            return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b)
+
+        _attn_bwd_dkdv[grid_kv](
+            q, k, v, dout, lse, delta, dk_t, dv_t,
+            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(lse), *_s(delta), *_s(dk_t), *_s(dv_t),
+            *lens, ACCUM=dk is not None, **common,
+        )
+        def grid_q(meta):
+            return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
+
+        _attn_bwd_dq[grid_q](
+            q, k, v, dout, lse, delta, dq_t,
+            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(lse), *_s(delta), *_s(dq_t),
+            *lens, ACCUM=dq is not None, **common,
+        )
+        return dq_t, dk_t, dv_t

@@ -1,0 +1,55 @@
+"""Helpers shared by the Triton attention kernels: config lists and key-range arithmetic."""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def bucket(n: int) -> int:
+    """Autotune bucket of a length: the next power of two (at least 16).
+
+    Passed as an autotune key so that a long run with varying lengths tunes once
+    per bucket instead of at every new length.
+    """
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
+
+
+def configs(gpu: list[tuple[int, int, int, int]], interp: tuple[int, int]) -> list[triton.Config]:
+    """Autotune configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; one small one in the interpreter."""
+    if interpreting():
+        return [triton.Config({"BLOCK_M": interp[0], "BLOCK_N": interp[1]}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in gpu
+    ]
+
+
+@triton.jit
+def key_ranges(m0, Lq, Lk, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key ranges of query rows ``[m0, m0 + BLOCK_M)``.
+
+    Returns ``(full_hi, hi)``: key blocks starting in ``[0, full_hi)`` need no mask
+    (every key is valid and visible to every row of the block), blocks in
+    ``[full_hi, hi)`` need the causal / sequence-end mask. Bottom-right causal:
+    row ``i`` sees key ``j`` when ``j <= i + shift`` with ``shift = Lk - Lq``.
+    """
+    if CAUSAL:
+        end_full = tl.minimum(m0 + shift + 1, Lk)
+        hi = tl.minimum(m0 + BLOCK_M + shift, Lk)
+    else:
+        end_full = Lk
+        hi = Lk
+    end_full = tl.maximum(end_full, 0)
+    hi = tl.maximum(hi, 0)
+    full_hi = (end_full // BLOCK_N) * BLOCK_N
+    return full_hi, hi

@@ -1,0 +1,125 @@
+"""Triton FlashAttention forward that carries softmax statistics (the paper's Algorithm 3).
+
+One program computes ``BLOCK_M`` query rows of one (batch, head) against every key
+it may see. In accumulate mode it starts the online softmax from the running
+``(out, lse)`` of those rows and writes them back: chunks merge with no extra pass.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_common import configs, key_ranges
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
+FWD_CONFIGS = configs(
+    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    interp=(32, 16),
+)
+
+
+@triton.jit
+def _fwd_step(
+    acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, kv_mask_d, Lk, shift, qk_scale,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+):
+    """One key block of the online softmax (log2 domain)."""
+    if MASK:
+        n_ok = (start_n + offs_n) < Lk
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & kv_mask_d, other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & kv_mask_d, other=0.0)
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask_d, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask_d, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if MASK:
+        keep = n_ok[None, :]
+        if CAUSAL:
+            keep = keep & ((start_n + offs_n)[None, :] <= offs_m[:, None] + shift)
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = m_new
+    p = tl.math.exp2(qk - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, m_new, l_i
+
+
+@triton.autotune(configs=FWD_CONFIGS, key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+                 restore_value=["Out", "Lse"])
+@triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
+def _attn_fwd(
+    Q, K, V, Out, Lse,
+    sqb, sqs, sqh, sqd,
+    skb, sks, skh, skd,
+    svb, svs, svh, svd,
+    sob, sos, soh, sod,
+    slb, slh, sls,
+    Lq, Lk, shift, group, qk_scale,
+    LQ_BUCKET, LK_BUCKET,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
+    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    if CAUSAL:  # the heaviest query blocks (most keys) start first
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    hk = h // group
+    m0 = pid_m * BLOCK_M
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    mask_d = offs_d[None, :] < HEAD_DIM
+    mask_m = offs_m < Lq
+
+    q_base = Q + b * sqb + h.to(tl.int64) * sqh + m0.to(tl.int64) * sqs
+    q_ptrs = q_base + tl.arange(0, BLOCK_M)[:, None] * sqs + offs_d[None, :] * sqd
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d, other=0.0)
+
+    o_base = Out + b * sob + h.to(tl.int64) * soh + m0.to(tl.int64) * sos
+    o_ptrs = o_base + tl.arange(0, BLOCK_M)[:, None] * sos + offs_d[None, :] * sod
+    lse_ptrs = Lse + b * slb + h.to(tl.int64) * slh + offs_m * sls
+
+    if ACCUM:
+        # Continue the running softmax: m = lse (log2), l = 1, acc = normalized running out.
+        lse_run = tl.load(lse_ptrs, mask=mask_m, other=float("-inf"))
+        m_i = lse_run * 1.4426950408889634
+        l_i = tl.where(lse_run == float("-inf"), 0.0, 1.0)
+        acc = tl.load(o_ptrs, mask=mask_m[:, None] & mask_d, other=0.0).to(tl.float32)
+        acc = tl.where(l_i[:, None] > 0, acc, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+
+    full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
+
+    k_base = K + b * skb + hk.to(tl.int64) * skh
+    v_base = V + b * svb + hk.to(tl.int64) * svh
+    k_ptrs = k_base + offs_n[:, None] * sks + offs_d[None, :] * skd
+    v_ptrs = v_base + offs_n[:, None] * svs + offs_d[None, :] * svd
+    for start_n in range(0, full_hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk,
+                                  shift, qk_scale, False, CAUSAL, PREC)
+        k_ptrs += BLOCK_N * sks
+        v_ptrs += BLOCK_N * svs
+    for start_n in range(full_hi, hi, BLOCK_N):
+        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk,
+                                  shift, qk_scale, True, CAUSAL, PREC)
+        k_ptrs += BLOCK_N * sks
+        v_ptrs += BLOCK_N * svs
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d)
+    tl.store(lse_ptrs, lse, mask=mask_m)
