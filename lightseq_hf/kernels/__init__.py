@@ -1,0 +1,73 @@
+"""Local attention backends behind one contract (see ``base``): reference, triton, sdpa."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .base import AttentionKernel, attention_delta, check_qkv
+from .reference import ReferenceKernel
+
+BACKENDS = ("auto", "reference", "triton", "sdpa")
+
+_cache: dict[str, AttentionKernel] = {}
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _auto_backend(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "reference"
+    from .autoselect import preferred_cuda_backend
+
+    return preferred_cuda_backend(device, triton_ok=_triton_usable(device))
+
+
+def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
+    """The kernel for ``backend`` on ``device``; raises ValueError naming the fix."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    if backend == "auto":
+        backend = _auto_backend(device)
+    if backend == "triton" and not _triton_usable(device):
+        raise ValueError(
+            "backend 'triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 to run "
+            f"the kernels in Triton's CPU interpreter); tensors are on {device}. "
+            "Use backend='reference' or 'auto' on the CPU."
+        )
+    if backend == "sdpa" and device.type != "cuda":
+        raise ValueError(
+            f"backend 'sdpa' runs torch's flash/cuDNN kernels and needs a CUDA GPU; tensors are on "
+            f"{device}. Use backend='reference' or 'auto' on the CPU."
+        )
+    if backend not in _cache:
+        if backend == "reference":
+            _cache[backend] = ReferenceKernel()
+        elif backend == "triton":
+            from .triton_attn import TritonKernel
+
+            _cache[backend] = TritonKernel()
+        else:
+            from .sdpa import SdpaKernel
+
+            _cache[backend] = SdpaKernel()
+    return _cache[backend]
+
+
+__all__ = [
+    "AttentionKernel",
+    "BACKENDS",
+    "ReferenceKernel",
+    "attention_delta",
+    "check_qkv",
+    "get_kernel",
+]

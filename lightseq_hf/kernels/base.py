@@ -1,0 +1,108 @@
+"""The local attention kernel contract shared by every backend.
+
+Layout: ``q`` is ``(batch, q_len, heads, head_dim)``; ``k`` and ``v`` are
+``(batch, kv_len, kv_heads, head_dim)`` with ``heads % kv_heads == 0``; query head
+``h`` reads key/value head ``h // (heads // kv_heads)`` (key/value heads are never
+replicated). ``lse`` is ``(batch, heads, q_len)``, float32, natural log.
+
+Causal masking with ``q_len != kv_len`` is aligned bottom-right (flash-attn's rule):
+query row ``i`` sees key ``j`` when ``j <= i + kv_len - q_len``. A row that sees no
+key has ``lse = -inf`` and an all-zero output.
+
+forward(q, k, v, *, causal, scale, out=None, lse=None) -> (out, lse)
+    Without ``out``/``lse``: returns ``out`` in ``q.dtype`` and ``lse`` in float32.
+    With them (float32 running output ``(batch, q_len, heads, head_dim)`` and running
+    lse): merges this chunk's attention into them in place (the paper's Algorithm 3)
+    and returns them. A running row with ``lse = -inf`` holds nothing yet.
+
+backward(dout, q, k, v, out, lse, *, causal, scale, delta=None,
+         dq=None, dk=None, dv=None) -> (dq, dk, dv)
+    ``out`` and ``lse`` are the *global* results of the query rows (over every key
+    chunk), so gradients of all chunks add up to the full gradient. ``delta`` is
+    ``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)``; computed from ``out``
+    when not given (``out`` may be ``None`` when ``delta`` is given). Returns float32
+    gradients; when ``dq``/``dk``/``dv`` (float32) are given, the chunk's gradients are
+    added into them in place.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionKernel(Protocol):
+    """A local (single-device) attention backend."""
+
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        *,
+        causal: bool,
+        scale: float,
+        delta: torch.Tensor | None = None,
+        dq: torch.Tensor | None = None,
+        dk: torch.Tensor | None = None,
+        dv: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)`` (float64 for float64 inputs)."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    return (dout.to(acc) * out.to(acc)).sum(dim=-1).transpose(1, 2).contiguous()
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ValueError naming the problem when q, k, v do not fit the contract."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seq, heads, head_dim); got shape {tuple(t.shape)}. "
+                "Transpose (batch, heads, seq, head_dim) tensors with .transpose(1, 2)."
+            )
+        if not t.is_floating_point():
+            raise ValueError(
+                f"{name} has dtype {t.dtype}; attention needs a floating dtype "
+                "(float32, bfloat16, float16 or float64)."
+            )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k, v dtypes disagree ({q.dtype}, {k.dtype}, {v.dtype}); cast them to one dtype."
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}).")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v shapes disagree ({tuple(k.shape)} vs {tuple(v.shape)}); they must match."
+        )
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"batch sizes disagree: q has {q.shape[0]}, k/v have {k.shape[0]}.")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"head dims disagree: q has {q.shape[3]}, k/v have {k.shape[3]}.")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(
+            f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}) "
+            "for GQA/MQA; pick kv_heads dividing heads."
+        )

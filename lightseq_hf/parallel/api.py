@@ -1,0 +1,89 @@
+"""The public entry point: :func:`dist_flash_attn`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import BACKENDS, check_qkv, get_kernel
+from .ops import dist_attn_fwd, group_handle, group_rank_and_size
+from .schedule import SCHEDULES
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def check_same_shapes(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, group: dist.ProcessGroup | None
+) -> None:
+    """All-gather each rank's shapes and raise the same ValueError on every rank if they differ.
+
+    Runs before any point-to-point transfer, so a mismatch fails fast instead of hanging.
+    """
+    rank, world = group_rank_and_size(group)
+    if world == 1:
+        return
+    device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(
+        [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal)],
+        dtype=torch.int64, device=device,
+    )
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [tuple(t.tolist()) for t in gathered]
+    if len(set(rows)) > 1:
+        described = "; ".join(
+            f"rank {r}: q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, "
+            f"kv heads {x[5]}, dtype code {x[6]}, causal {bool(x[7])}"
+            for r, x in enumerate(rows)
+        )
+        raise ValueError(
+            "ranks of the sequence-parallel group passed different shapes, dtypes or causal flags "
+            f"({described}). Every rank must hold an equal-length shard: pad the sequence to a "
+            "multiple of the group size (lightseq_hf.pad_to_multiple) before sharding."
+        )
+
+
+def dist_flash_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    schedule: str = "balanced",
+    backend: str = "auto",
+    return_lse: bool = False,
+    check_shapes: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a sequence sharded contiguously across ``group``.
+
+    ``q`` is this rank's shard ``(batch, local_seq, heads, head_dim)`` (chunk ``rank`` of
+    ``group`` in rank order; default group: the world), ``k``/``v`` are
+    ``(batch, local_seq, kv_heads, head_dim)``. Returns this rank's output shard in
+    ``q.dtype`` and, with ``return_lse``, its log-sum-exp ``(batch, heads, local_seq)``
+    (float32). Without an initialized process group, or with a group of one, it is
+    plain attention on the local tensors. Gradients flow to q, k and v (and through the
+    lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
+    ``backend`` is ``"auto"``, ``"reference"``, ``"triton"`` or ``"sdpa"``.
+    ``check_shapes=False`` skips the all-gather that checks every rank's shapes agree
+    (for callers that guarantee it, such as the model patch).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    check_qkv(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
+            "one sequence, so q, k and v shards must have the same length."
+        )
+    get_kernel(backend, q.device)  # fail early with the backend's own error
+    if check_shapes:
+        check_same_shapes(q, k, causal, group)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = dist_attn_fwd(q, k, v, causal, float(scale), group_handle(group), schedule, backend)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,256 @@
+"""DistFlashAttn forward and backward loops over a schedule.
+
+Each rank holds its contiguous chunk of q, k, v. The loops walk the schedule's steps;
+before computing step ``t`` they post the transfers for step ``t + 1`` (prefetch) and
+ship the partial results of step ``t - 1`` to their owners, so at most one remote
+key/value (or query) chunk and one prefetch buffer are alive at a time.
+
+Forward keeps a float32 running (out, lse) per rank, which the local kernel updates in
+place for the rank's own query rows; a helper computes a partial result into fresh
+buffers and sends it back, where it is merged. Backward mirrors the forward: whoever
+computed a block computes its gradient, dq goes to the query owner and dk/dv to the
+key owner, all accumulated in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..kernels.base import AttentionKernel, attention_delta
+from .comm import PeerComm, Transfers
+from .merge import empty_running, merge_into
+from .schedule import Schedule, Task
+
+Bundle = dict[str, torch.Tensor]
+
+
+def _rows(t: torch.Tensor, task: Task, seq_dim: int) -> torch.Tensor:
+    start, stop = task.rows(t.shape[seq_dim])
+    return t.narrow(seq_dim, start, stop - start)
+
+
+def _buffer_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _run_steps(
+    comm: PeerComm,
+    num_steps: int,
+    plan_inputs: Callable[[int], tuple[Transfers, Any]],
+    compute: Callable[[int, Any], Any],
+    plan_results: Callable[[int, Any], tuple[Transfers, list[Callable[[], None]]]],
+) -> None:
+    """Drive the steps: prefetch step t+1 and ship step t-1's results while computing t."""
+    transfers, inputs = plan_inputs(0)
+    if transfers:
+        raise AssertionError("step 0 of a schedule must be local")
+    pending, next_inputs, on_arrival, produced = None, None, [], None
+    for t in range(num_steps):
+        if t > 0:
+            pending.wait()
+            for merge in on_arrival:
+                merge()
+            inputs = next_inputs
+        transfers, next_inputs, on_arrival = Transfers(), None, []
+        if t + 1 < num_steps:
+            tr, next_inputs = plan_inputs(t + 1)
+            transfers.sends += tr.sends
+            transfers.recvs += tr.recvs
+        if t > 0:
+            tr, on_arrival = plan_results(t - 1, produced)
+            transfers.sends += tr.sends
+            transfers.recvs += tr.recvs
+        pending = comm.post(transfers)
+        produced = compute(t, inputs)
+    pending.wait()
+    for merge in on_arrival:
+        merge()
+    tr, on_arrival = plan_results(num_steps - 1, produced)
+    comm.post(tr).wait()
+    for merge in on_arrival:
+        merge()
+
+
+def _plan_fetch(
+    schedule: Schedule,
+    t: int,
+    rank: int,
+    q_side: Callable[[Task], Bundle],
+    q_side_like: Callable[[Task], Bundle],
+    kv_side: Bundle,
+) -> tuple[Transfers, tuple[Task | None, Bundle, Bundle]]:
+    """Transfers bringing step ``t``'s query-side and key-side tensors to whoever computes."""
+    step = schedule.steps[t]
+    transfers = Transfers()
+    for peer, task in enumerate(step):
+        if peer == rank or task is None:
+            continue
+        if task.q_owner == rank:
+            transfers.sends += [(peer, x) for x in q_side(task).values()]
+        if task.kv_owner == rank:
+            transfers.sends += [(peer, x) for x in kv_side.values()]
+    task = step[rank]
+    q_in: Bundle = {}
+    kv_in: Bundle = kv_side
+    if task is not None:
+        if task.q_owner != rank:
+            q_in = {name: _buffer_like(x) for name, x in q_side_like(task).items()}
+            transfers.recvs += [(task.q_owner, x) for x in q_in.values()]
+        else:
+            q_in = q_side(task)
+        if task.kv_owner != rank:
+            kv_in = {name: _buffer_like(x) for name, x in kv_side.items()}
+            transfers.recvs += [(task.kv_owner, x) for x in kv_in.values()]
+    return transfers, (task, q_in, kv_in)
+
+
+def dist_attn_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    schedule: Schedule,
+    rank: int,
+    comm: PeerComm,
+    kernel: AttentionKernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (out in q.dtype, lse float32) of attention over the whole sequence."""
+    out, lse = empty_running(q)
+
+    def q_side(task: Task) -> Bundle:
+        return {"q": _rows(q, task, 1).contiguous()}
+
+    def q_side_like(task: Task) -> Bundle:
+        return {"q": _rows(q, task, 1)}
+
+    def plan_inputs(t: int):
+        return _plan_fetch(schedule, t, rank, q_side, q_side_like, {"k": k, "v": v})
+
+    def compute(t: int, inputs) -> Bundle | None:
+        task, q_in, kv_in = inputs
+        if task is None:
+            return None
+        qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
+        if task.q_owner == rank:
+            kernel.forward(
+                qt, kt, vt, causal=task.diagonal, scale=scale,
+                out=_rows(out, task, 1), lse=_rows(lse, task, 2),
+            )
+            return None
+        part_out, part_lse = empty_running(qt)
+        kernel.forward(qt, kt, vt, causal=task.diagonal, scale=scale, out=part_out, lse=part_lse)
+        return {"out": part_out, "lse": part_lse}
+
+    def plan_results(t: int, produced: Bundle | None):
+        transfers, merges = Transfers(), []
+        step = schedule.steps[t]
+        mine = step[rank]
+        if mine is not None and mine.q_owner != rank:
+            transfers.sends += [(mine.q_owner, produced["out"]), (mine.q_owner, produced["lse"])]
+        for peer, task in enumerate(step):
+            if peer != rank and task is not None and task.q_owner == rank:
+                rows_out, rows_lse = _rows(out, task, 1), _rows(lse, task, 2)
+                buf_out, buf_lse = _buffer_like(rows_out), _buffer_like(rows_lse)
+                transfers.recvs += [(peer, buf_out), (peer, buf_lse)]
+                merges.append(lambda o=rows_out, s=rows_lse, bo=buf_out, bs=buf_lse: merge_into(o, s, bo, bs))
+        return transfers, merges
+
+    _run_steps(comm, len(schedule.steps), plan_inputs, compute, plan_results)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def dist_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    dlse: torch.Tensor | None = None,
+    causal: bool,
+    scale: float,
+    schedule: Schedule,
+    rank: int,
+    comm: PeerComm,
+    kernel: AttentionKernel,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (dq, dk, dv) in the input dtype; ``out``/``lse`` are this rank's global results.
+
+    A gradient ``dlse`` of the lse folds into delta: d lse_i / d s_ij = p_ij, so the
+    score gradient p * (dp - delta) becomes p * (dp - (delta - dlse)).
+    """
+    delta = attention_delta(dout, out)
+    if dlse is not None:
+        delta = delta - dlse.to(delta.dtype)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    dout = dout.contiguous()
+
+    def q_side(task: Task) -> Bundle:
+        return {
+            "q": _rows(q, task, 1).contiguous(),
+            "dout": _rows(dout, task, 1).contiguous(),
+            "lse": _rows(lse, task, 2).contiguous(),
+            "delta": _rows(delta, task, 2).contiguous(),
+        }
+
+    def q_side_like(task: Task) -> Bundle:
+        return {
+            "q": _rows(q, task, 1),
+            "dout": _rows(dout, task, 1),
+            "lse": _rows(lse, task, 2),
+            "delta": _rows(delta, task, 2),
+        }
+
+    def plan_inputs(t: int):
+        return _plan_fetch(schedule, t, rank, q_side, q_side_like, {"k": k, "v": v})
+
+    def compute(t: int, inputs) -> Bundle | None:
+        task, q_in, kv_in = inputs
+        if task is None:
+            return None
+        own_q, own_kv = task.q_owner == rank, task.kv_owner == rank
+        grads = kernel.backward(
+            q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], None, q_in["lse"],
+            causal=task.diagonal, scale=scale, delta=q_in["delta"],
+            dq=_rows(dq, task, 1) if own_q else None,
+            dk=dk if own_kv else None,
+            dv=dv if own_kv else None,
+        )
+        return {"dq": grads[0], "dk": grads[1], "dv": grads[2]}
+
+    def plan_results(t: int, produced: Bundle | None):
+        transfers, merges = Transfers(), []
+        step = schedule.steps[t]
+        mine = step[rank]
+        if mine is not None:
+            if mine.q_owner != rank:
+                transfers.sends.append((mine.q_owner, produced["dq"]))
+            if mine.kv_owner != rank:
+                transfers.sends += [(mine.kv_owner, produced["dk"]), (mine.kv_owner, produced["dv"])]
+        for peer, task in enumerate(step):
+            if peer == rank or task is None:
+                continue
+            if task.q_owner == rank:
+                target = _rows(dq, task, 1)
+                buf = _buffer_like(target)
+                transfers.recvs.append((peer, buf))
+                merges.append(lambda x=target, b=buf: x.add_(b))
+            if task.kv_owner == rank:
+                bk, bv = torch.empty_like(dk), torch.empty_like(dv)
+                transfers.recvs += [(peer, bk), (peer, bv)]
+                merges.append(lambda b=bk: dk.add_(b))
+                merges.append(lambda b=bv: dv.add_(b))
+        return transfers, merges
+
+    _run_steps(comm, len(schedule.steps), plan_inputs, compute, plan_results)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,124 @@
+"""DistFlashAttn as torch custom ops, so that checkpoint policies can recognise it.
+
+``torch.ops.lightseq_hf.dist_attn_fwd`` computes this rank's (out, lse);
+``torch.ops.lightseq_hf.dist_attn_bwd`` its gradients. Process groups cannot be op
+arguments, so they travel as integer handles from :func:`group_handle`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels import get_kernel
+from .comm import PeerComm
+from .dist_attn import dist_attn_backward, dist_attn_forward
+from .schedule import build_schedule
+
+_groups: list[dist.ProcessGroup | None] = []
+_comms: dict[tuple[int, str], PeerComm] = {}
+
+#: How often each op ran in this process (tests count attention forwards with it).
+call_counts = {"forward": 0, "backward": 0}
+
+
+def group_handle(group: dist.ProcessGroup | None) -> int:
+    """An integer standing for ``group`` (``None``: the default group) in op arguments."""
+    for i, known in enumerate(_groups):
+        if known is group:
+            return i
+    _groups.append(group)
+    return len(_groups) - 1
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) of this process in ``group``; (0, 1) without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _context(handle: int, device: torch.device) -> tuple[int, int, PeerComm]:
+    group = _groups[handle]
+    rank, world = group_rank_and_size(group)
+    key = (handle, str(device))
+    if key not in _comms:
+        _comms[key] = PeerComm(group, device)
+    return rank, world, _comms[key]
+
+
+@torch.library.custom_op("lightseq_hf::dist_attn_fwd", mutates_args=())
+def dist_attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    group: int,
+    schedule: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    call_counts["forward"] += 1
+    kernel = get_kernel(backend, q.device)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    rank, world, comm = _context(group, q.device)
+    if world == 1:
+        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+        return out, lse
+    return dist_attn_forward(
+        q, k, v, causal=causal, scale=scale, schedule=build_schedule(world, causal, schedule),
+        rank=rank, comm=comm, kernel=kernel,
+    )
+
+
+@dist_attn_fwd.register_fake
+def _(q, k, v, causal, scale, group, schedule, backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, s, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, s), dtype=lse_dtype)
+
+
+@torch.library.custom_op("lightseq_hf::dist_attn_bwd", mutates_args=())
+def dist_attn_bwd(
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    group: int,
+    schedule: str,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call_counts["backward"] += 1
+    kernel = get_kernel(backend, q.device)
+    rank, world, comm = _context(group, q.device)
+    return dist_attn_backward(
+        dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,
+        schedule=build_schedule(world, causal, schedule), rank=rank, comm=comm, kernel=kernel,
+    )
+
+
+@dist_attn_bwd.register_fake
+def _(dout, dlse, q, k, v, out, lse, causal, scale, group, schedule, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, causal, scale, group, schedule, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (causal, scale, group, schedule, backend)
+    ctx.mark_non_differentiable()
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = dist_attn_bwd(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
+
+
+dist_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

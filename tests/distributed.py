@@ -1,0 +1,64 @@
+"""Run a function on N spawned CPU processes joined by gloo, and collect what each returns.
+
+Workers return a list of failure messages instead of raising mid-run, so one failing
+comparison cannot leave its peers waiting in a collective; the caller asserts the
+lists are empty. A worker that raises still fails the test (its peers then stop on
+the broken connection or the group timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        result = fn(rank, world, *args)
+    except Exception:
+        result = [f"rank {rank} raised:\n{traceback.format_exc()}"]
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def run_distributed(fn: Callable, world: int, *args) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_entry, args=(world, _free_port(), fn, args, out_dir), nprocs=world,
+                           join=True, start_method="spawn")
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are zero); -inf entries must match."""
+    x64, r64 = x.detach().double(), ref.detach().double()
+    finite = torch.isfinite(r64)
+    if not torch.equal(finite, torch.isfinite(x64)):
+        return float("inf")
+    x64, r64 = x64[finite], r64[finite]
+    denom = r64.norm().item()
+    diff = (x64 - r64).norm().item()
+    return diff / denom if denom > 0 else diff

@@ -1,0 +1,117 @@
+"""Distributed attention on 1-4 gloo processes against a float64 single-process reference."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from distributed import rel_err, run_distributed
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+
+
+def naive_attention(q, k, v, causal):
+    """Materialized float64 attention of full sequences; returns (out, lse). Test-only."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, dim=-1), v)
+    return out, lse
+
+
+def make_inputs(seed, batch, seq, heads, kv_heads, dim):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64)
+    k = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=torch.float64)
+    v = torch.randn(batch, seq, kv_heads, dim, generator=g, dtype=torch.float64)
+    dout = torch.randn(batch, seq, heads, dim, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def run_attention(q, k, v, dout, *, rank, world, dtype, **kwargs):
+    """Shard the full float64 tensors, run dist_flash_attn in ``dtype``; return this rank's results."""
+    import lightseq_hf
+
+    n = q.shape[1] // world
+    sl = slice(rank * n, (rank + 1) * n)
+    qs, ks, vs = (t[:, sl].to(dtype).requires_grad_() for t in (q, k, v))
+    out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, return_lse=True, **kwargs)
+    out.backward(dout[:, sl].to(dtype))
+    return out, lse, qs.grad, ks.grad, vs.grad
+
+
+def cases():
+    for causal, heads, dtype, local in itertools.product(
+        (True, False), HEADS, (torch.float32, torch.bfloat16), (37, 64)
+    ):
+        schedules = ("balanced", "paper", "ring") if causal else ("balanced",)
+        for schedule in schedules:
+            yield dict(causal=causal, heads=heads, dtype=dtype, local=local, schedule=schedule)
+
+
+def worker_exactness(rank, world):
+    failures = []
+    for i, case in enumerate(cases()):
+        h, hk = HEADS[case["heads"]]
+        batch = 2 if case["local"] == 37 else 1
+        q, k, v, dout = make_inputs(100 + i, batch, case["local"] * world, h, hk, 16)
+        ref_out, ref_lse = naive_attention(q, k, v, case["causal"])
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        naive_attention(qr, kr, vr, case["causal"])[0].backward(dout)
+        refs = (ref_out, ref_lse, qr.grad, kr.grad, vr.grad)
+        n = case["local"]
+        sl = slice(rank * n, (rank + 1) * n)
+        refs = (refs[0][:, sl], refs[1][:, :, sl], refs[2][:, sl], refs[3][:, sl], refs[4][:, sl])
+        kw = dict(causal=case["causal"], schedule=case["schedule"], dtype=case["dtype"])
+        got = run_attention(q, k, v, dout, rank=rank, world=world, **kw)
+        if case["dtype"] == torch.float32:
+            bounds = [1e-5] * 5
+        else:  # twice the error of the same attention in bf16 on one process
+            single = run_attention(q, k, v, dout, rank=0, world=1, **kw)
+            single = (single[0][:, sl], single[1][:, :, sl], single[2][:, sl], single[3][:, sl],
+                      single[4][:, sl])
+            bounds = [2 * rel_err(s, r) + 1e-6 for s, r in zip(single, refs)]
+        for name, x, ref, bound in zip(("out", "lse", "dq", "dk", "dv"), got, refs, bounds):
+            err = rel_err(x, ref)
+            if not err <= bound:
+                failures.append(f"world {world} rank {rank} {case}: {name} rel err {err:.2e} > {bound:.2e}")
+            if x.dtype != (torch.float32 if name == "lse" else case["dtype"]):
+                failures.append(f"{case}: {name} has dtype {x.dtype}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_exact_against_float64_reference(world):
+    failures = [f for rank_failures in run_distributed(worker_exactness, world) for f in rank_failures]
+    assert not failures, "\n".join(failures[:20])
+
+
+def worker_bad_inputs(rank, world):
+    import lightseq_hf
+
+    failures = []
+    q = torch.randn(1, 8 + rank, 4, 16)  # rank 1 holds a longer shard
+    try:
+        lightseq_hf.dist_flash_attn(q, q, q)
+        failures.append(f"rank {rank}: unequal shard lengths were accepted")
+    except ValueError as e:
+        if "equal-length shard" not in str(e):
+            failures.append(f"rank {rank}: unhelpful message {e}")
+    q = torch.randn(1, 8, 4, 16)
+    out = lightseq_hf.dist_flash_attn(q, q, q)  # the group still works afterwards
+    if out.shape != q.shape:
+        failures.append("wrong output shape after a refused call")
+    return failures
+
+
+def test_unequal_shards_fail_on_every_rank_without_hanging():
+    failures = [f for rank_failures in run_distributed(worker_bad_inputs, 2) for f in rank_failures]
+    assert not failures, "\n".join(failures)

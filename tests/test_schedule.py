@@ -1,0 +1,86 @@
+"""The schedule is a pure function: coverage, per-rank load and critical path, no processes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+
+from lightseq_hf.parallel.schedule import SCHEDULES, build_schedule, required_blocks
+
+WORLDS = range(1, 17)
+
+
+def computed_rows(schedule):
+    """Counter of (q chunk, kv chunk, row slice in 1/2 units) over every task."""
+    seen = Counter()
+    for step in schedule.steps:
+        for task in step:
+            if task is None:
+                continue
+            for half in range(2):  # split every block into two row halves
+                lo, hi = Fraction(task.part, task.parts), Fraction(task.part + 1, task.parts)
+                if lo <= Fraction(half, 2) and Fraction(half + 1, 2) <= hi:
+                    seen[(task.q_owner, task.kv_owner, half)] += 1
+    return seen
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_needed_block_is_computed_exactly_once(world, causal, kind):
+    schedule = build_schedule(world, causal, kind)
+    expected = Counter({(i, j, h): 1 for i, j in required_blocks(world, causal) for h in range(2)})
+    assert computed_rows(schedule) == expected
+    for step in schedule.steps:
+        for rank, task in enumerate(step):
+            if task is not None:  # a rank only computes with a query or a key chunk it owns
+                assert rank in (task.q_owner, task.kv_owner)
+                assert task.diagonal == (causal and task.q_owner == task.kv_owner)
+    assert all(task is None or task.q_owner == rank for rank, task in enumerate(schedule.steps[0]))
+    assert all(task.kv_owner == rank for rank, task in enumerate(schedule.steps[0]))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_balanced_reaches_the_ideal(world):
+    schedule = build_schedule(world, True, "balanced")
+    assert schedule.critical_path() == Fraction(world, 2)
+    assert all(schedule.load(r) == Fraction(world, 2) for r in range(world))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ring_critical_path(world):
+    schedule = build_schedule(world, True, "ring")
+    assert schedule.critical_path() == world - Fraction(1, 2)
+    assert [schedule.load(r) for r in range(world)] == [r + Fraction(1, 2) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_paper_schedule_is_balanced_for_odd_worlds_only(world):
+    schedule = build_schedule(world, True, "paper")
+    expected = Fraction(world, 2) if world % 2 else Fraction(world + 1, 2)
+    assert schedule.critical_path() == expected
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_non_causal_is_a_balanced_ring(world):
+    schedule = build_schedule(world, False)
+    assert len(schedule.steps) == world
+    assert schedule.critical_path() == world
+    assert all(schedule.load(r) == world for r in range(world))
+
+
+def test_p2_is_balanced_by_splitting_query_rows():
+    schedule = build_schedule(2, True, "balanced")
+    last = schedule.steps[1]
+    assert (last[0].q_owner, last[0].kv_owner, last[0].part) == (1, 0, 1)
+    assert (last[1].q_owner, last[1].kv_owner, last[1].part) == (1, 0, 0)
+    assert last[0].rows(10) == (5, 10) and last[1].rows(10) == (0, 5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown schedule"):
+        build_schedule(4, True, "zigzag")
+    with pytest.raises(ValueError, match="world size"):
+        build_schedule(0)
