@@ -1,0 +1,77 @@
+"""Sequence-parallel and data-parallel process groups.
+
+The world of ``W`` ranks is cut into ``W / sp_size`` sequence-parallel groups of
+consecutive ranks (``[0, sp)``, ``[sp, 2 sp)``, ...): consecutive ranks share a node
+first, so attention traffic stays on NVLink. Ranks with the same position in their
+sequence-parallel group form a data-parallel group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's groups and coordinates."""
+
+    sp_group: dist.ProcessGroup | None
+    dp_group: dist.ProcessGroup | None
+    sp_size: int
+    sp_rank: int
+    dp_size: int
+    dp_rank: int
+
+
+_current: ParallelGroups | None = None
+
+
+def init_sequence_parallel(sp_size: int | None = None) -> ParallelGroups:
+    """Create (once) the groups for ``sp_size`` ranks per sequence (default: the whole world).
+
+    Every rank must call it with the same ``sp_size``. Without torch.distributed the
+    result is a single rank with no groups.
+    """
+    global _current
+    if not (dist.is_available() and dist.is_initialized()):
+        if sp_size not in (None, 1):
+            raise ValueError(
+                f"sp_size={sp_size} needs torch.distributed: launch with `accelerate launch` or "
+                "torchrun (or call torch.distributed.init_process_group first), or use sp_size=1."
+            )
+        _current = ParallelGroups(None, None, 1, 0, 1, 0)
+        return _current
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sp_size = world if sp_size is None else sp_size
+    if sp_size < 1 or world % sp_size != 0:
+        raise ValueError(
+            f"sequence-parallel size {sp_size} does not divide the world size {world}; choose an "
+            f"sp_size among the divisors of {world} ({', '.join(str(d) for d in _divisors(world))})."
+        )
+    if _current is not None and _current.sp_size == sp_size and _current.sp_group is not None:
+        return _current
+    dp_size = world // sp_size
+    sp_group = dp_group = None
+    for start in range(0, world, sp_size):  # new_group is collective: every rank creates every group
+        ranks = list(range(start, start + sp_size))
+        group = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
+        if rank in ranks:
+            sp_group = group
+    for offset in range(sp_size):
+        ranks = list(range(offset, world, sp_size))
+        group = dist.new_group(ranks) if dp_size < world else dist.group.WORLD
+        if rank in ranks:
+            dp_group = group
+    _current = ParallelGroups(sp_group, dp_group, sp_size, rank % sp_size, dp_size, rank // sp_size)
+    return _current
+
+
+def current_groups() -> ParallelGroups | None:
+    """The groups made by the last :func:`init_sequence_parallel`, if any."""
+    return _current
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
