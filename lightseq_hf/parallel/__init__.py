@@ -10,4 +10,9 @@ __all__ = [
     "SCHEDULES",
     "current_groups",
     "init_sequence_parallel",
-    "Schedule", "Task", "build_schedule", "dist_flash_attn", "merge_into"]
+    "Schedule",
+    "Task",
+    "build_schedule",
+    "dist_flash_attn",
+    "merge_into",
+]
