@@ -11,16 +11,14 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from lightseq_hf.kernels import (
-    get_kernel,
-    triton_attn,
-)
-from lightseq_hf.kernels.reference import ReferenceKernel
-from lightseq_hf.kernels.triton_common import bucket
+from lightseq_hf.kernels import get_kernel, triton_attn  # noqa: E402
+from lightseq_hf.kernels.reference import ReferenceKernel  # noqa: E402
+from lightseq_hf.kernels.triton_common import bucket  # noqa: E402
 
 if type(triton_attn._attn_fwd.fn).__name__ != "InterpretedFunction":
-    pytest.skip("triton kernels were imported outside the interpreter (TRITON_INTERPRET=0)",
-                allow_module_level=True)
+    pytest.skip(
+        "triton kernels were imported outside the interpreter (TRITON_INTERPRET=0)", allow_module_level=True
+    )
 
 KERNEL = triton_attn.TritonKernel()
 REF = ReferenceKernel(block_q=32, block_k=32)
@@ -75,8 +73,9 @@ FWD_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}".format(
-    *c[:6], "causal" if c[6] else "full"))
+@pytest.mark.parametrize(
+    "case", FWD_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}".format(*c[:6], "causal" if c[6] else "full")
+)
 def test_forward(case):
     b, lq, lk, h, hk, d, causal = case
     q, k, v = make(b, lq, lk, h, hk, d)
@@ -142,12 +141,15 @@ BWD_CASES = [
 def _ref_backward(q, k, v, do, causal, scale):
     """Global out/lse and gradients in float64."""
     out, lse = REF.forward(q.double(), k.double(), v.double(), causal=causal, scale=scale)
-    grads = REF.backward(do.double(), q.double(), k.double(), v.double(), out, lse, causal=causal, scale=scale)
+    grads = REF.backward(
+        do.double(), q.double(), k.double(), v.double(), out, lse, causal=causal, scale=scale
+    )
     return out, lse, grads
 
 
-@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}".format(
-    *c[:6], "causal" if c[6] else "full"))
+@pytest.mark.parametrize(
+    "case", BWD_CASES, ids=lambda c: "b{}-q{}-k{}-h{}/{}-d{}-{}".format(*c[:6], "causal" if c[6] else "full")
+)
 def test_backward(case):
     b, lq, lk, h, hk, d, causal = case
     q, k, v = make(b, lq, lk, h, hk, d, seed=4)
@@ -172,8 +174,20 @@ def test_backward_chunks_accumulate_into_buffers():
     dq, dk, dv = (t.clone() for t in base)
     delta = (do.double() * out).sum(-1).transpose(1, 2).float().contiguous()
     for sl, causal, use_delta in ((slice(0, split), False, True), (slice(split, n), True, False)):
-        got = KERNEL.backward(do, q, k[:, sl], v[:, sl], out.float(), lse.float(), causal=causal, scale=scale,
-                              delta=delta if use_delta else None, dq=dq, dk=dk[:, sl], dv=dv[:, sl])
+        got = KERNEL.backward(
+            do,
+            q,
+            k[:, sl],
+            v[:, sl],
+            out.float(),
+            lse.float(),
+            causal=causal,
+            scale=scale,
+            delta=delta if use_delta else None,
+            dq=dq,
+            dk=dk[:, sl],
+            dv=dv[:, sl],
+        )
         assert got[0] is dq
     assert rel_err(dq - base[0], rdq) < 1e-4
     assert rel_err(dk - base[1], rdk) < 1e-4
@@ -206,13 +220,30 @@ def test_bad_inputs(kwargs, match):
 def test_bad_buffers_and_device(monkeypatch):
     q, k, v = make(1, 8, 8, 4, 2, 64)
     with pytest.raises(ValueError, match="running out"):
-        KERNEL.forward(q, k, v, causal=True, scale=1.0, out=torch.zeros(1, 8, 4, 64, dtype=torch.float16),
-                       lse=torch.zeros(1, 4, 8))
+        KERNEL.forward(
+            q,
+            k,
+            v,
+            causal=True,
+            scale=1.0,
+            out=torch.zeros(1, 8, 4, 64, dtype=torch.float16),
+            lse=torch.zeros(1, 4, 8),
+        )
     with pytest.raises(ValueError, match="both"):
         KERNEL.forward(q, k, v, causal=True, scale=1.0, out=torch.zeros(1, 8, 4, 64))
     with pytest.raises(ValueError, match="dk"):
-        KERNEL.backward(q, q, k, v, q, torch.zeros(1, 4, 8), causal=True, scale=1.0,
-                        dk=torch.zeros(1, 8, 2, 64, dtype=torch.float16), dv=torch.zeros(1, 8, 2, 64))
+        KERNEL.backward(
+            q,
+            q,
+            k,
+            v,
+            q,
+            torch.zeros(1, 4, 8),
+            causal=True,
+            scale=1.0,
+            dk=torch.zeros(1, 8, 2, 64, dtype=torch.float16),
+            dv=torch.zeros(1, 8, 2, 64),
+        )
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="CUDA"):
         KERNEL.forward(q, k, v, causal=True, scale=1.0)
@@ -222,7 +253,7 @@ def test_strided_views_fwd_bwd():
     """q, k, v as views into one packed qkv tensor (no copies): strides are honoured."""
     b, s, h, hk, d = 2, 29, 4, 2, 80
     packed = torch.randn(b, s, h + 2 * hk, d, generator=torch.Generator().manual_seed(8))
-    q, k, v = packed[:, :, :h], packed[:, :, h:h + hk], packed[:, :, h + hk:]
+    q, k, v = packed[:, :, :h], packed[:, :, h : h + hk], packed[:, :, h + hk :]
     do = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(9))
     scale = d**-0.5
     out, lse = KERNEL.forward(q, k, v, causal=True, scale=scale)

@@ -78,7 +78,7 @@ class TritonKernel:
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merge into them in place."""
+        """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merges into them."""
         _check_inputs(q, k, v)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
@@ -103,11 +103,27 @@ class TritonKernel:
             return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
 
         _attn_fwd[grid](
-            q, k, v, out, lse,
-            *_s(q), *_s(k), *_s(v), *_s(out), *_s(lse),
-            lq, lk, lk - lq, h // hk, float(scale) * LOG2E,
-            bucket(lq), bucket(lk),
-            HEAD_DIM=d, D_PAD=triton.next_power_of_2(d), CAUSAL=bool(causal), ACCUM=accum,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *_s(q),
+            *_s(k),
+            *_s(v),
+            *_s(out),
+            *_s(lse),
+            lq,
+            lk,
+            lk - lq,
+            h // hk,
+            float(scale) * LOG2E,
+            bucket(lq),
+            bucket(lk),
+            HEAD_DIM=d,
+            D_PAD=triton.next_power_of_2(d),
+            CAUSAL=bool(causal),
+            ACCUM=accum,
             PREC=_prec(q.dtype),
         )
         return out, lse
@@ -167,8 +183,17 @@ class TritonKernel:
             delta = _new((b, h, lq), torch.float32, dev)
             block = 16 if interpreting() else 64
             _delta_kernel[(triton.cdiv(lq, block), h, b)](
-                out, dout, delta, *_s(out), *_s(dout), *_s(delta), lq,
-                HEAD_DIM=d, D_PAD=d_pad, BLOCK_M=block, num_warps=4,
+                out,
+                dout,
+                delta,
+                *_s(out),
+                *_s(dout),
+                *_s(delta),
+                lq,
+                HEAD_DIM=d,
+                D_PAD=d_pad,
+                BLOCK_M=block,
+                num_warps=4,
             )
         common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype)}
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
@@ -177,16 +202,47 @@ class TritonKernel:
             return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b)
 
         _attn_bwd_dkdv[grid_kv](
-            q, k, v, dout, lse, delta, dk_t, dv_t,
-            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(lse), *_s(delta), *_s(dk_t), *_s(dv_t),
-            *lens, ACCUM=dk is not None, **common,
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dk_t,
+            dv_t,
+            *_s(q),
+            *_s(k),
+            *_s(v),
+            *_s(dout),
+            *_s(lse),
+            *_s(delta),
+            *_s(dk_t),
+            *_s(dv_t),
+            *lens,
+            ACCUM=dk is not None,
+            **common,
         )
+
         def grid_q(meta):
             return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
 
         _attn_bwd_dq[grid_q](
-            q, k, v, dout, lse, delta, dq_t,
-            *_s(q), *_s(k), *_s(v), *_s(dout), *_s(lse), *_s(delta), *_s(dq_t),
-            *lens, ACCUM=dq is not None, **common,
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta,
+            dq_t,
+            *_s(q),
+            *_s(k),
+            *_s(v),
+            *_s(dout),
+            *_s(lse),
+            *_s(delta),
+            *_s(dq_t),
+            *lens,
+            ACCUM=dq is not None,
+            **common,
         )
         return dq_t, dk_t, dv_t

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges
+from .triton_common import configs, key_ranges, load_tile, tune_bench
 
 DKDV_CONFIGS = configs(
     [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
@@ -24,12 +24,24 @@ DQ_CONFIGS = configs(
 
 @triton.jit
 def _delta_kernel(
-    Out, DOut, Delta,
-    sob, sos, soh, sod,
-    sdb, sds, sdh, sdd,
-    seb, seh, ses,
+    Out,
+    DOut,
+    Delta,
+    sob,
+    sos,
+    soh,
+    sod,
+    sdb,
+    sds,
+    sdh,
+    sdd,
+    seb,
+    seh,
+    ses,
     Lq,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):
     """``delta = rowsum(dout * out)`` in float32, (batch, heads, q_len)."""
     m0 = tl.program_id(0) * BLOCK_M
@@ -38,22 +50,44 @@ def _delta_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :] * sod,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DOut + b * sdb + h * sdh + offs_m[:, None].to(tl.int64) * sds + offs_d[None, :] * sdd,
-                 mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(
+        Out + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :] * sod,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DOut + b * sdb + h * sdh + offs_m[:, None].to(tl.int64) * sds + offs_d[None, :] * sdd,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     tl.store(Delta + b * seb + h * seh + offs_m * ses, tl.sum(o * do, 1), mask=offs_m < Lq)
 
 
 @triton.jit
 def _dkdv_step(
-    dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n, mask_d, Lq, shift,
-    qk_scale, MASK: tl.constexpr, PREC: tl.constexpr,
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    start_m,
+    offs_m,
+    offs_n,
+    mask_d,
+    Lq,
+    shift,
+    qk_scale,
+    MASK: tl.constexpr,
+    PREC: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """Add one query block's contribution to a key block's dk/dv (transposed: keys are rows)."""
     m_ok = (start_m + offs_m) < Lq
-    q = tl.load(q_ptrs, mask=m_ok[:, None] & mask_d, other=0.0)
-    do = tl.load(do_ptrs, mask=m_ok[:, None] & mask_d, other=0.0)
+    q = load_tile(q_ptrs, m_ok, mask_d, True, EVEN_D)
+    do = load_tile(do_ptrs, m_ok, mask_d, True, EVEN_D)
     lse = tl.load(lse_ptrs, mask=m_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(delta_ptrs, mask=m_ok, other=0.0)
@@ -68,23 +102,67 @@ def _dkdv_step(
     return dk, dv
 
 
-@triton.autotune(configs=DKDV_CONFIGS, key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
-                 restore_value=["DK", "DV"])
+@triton.autotune(
+    configs=DKDV_CONFIGS,
+    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+    restore_value=["DK", "DV"],
+    do_bench=tune_bench,
+)
 @triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
 def _attn_bwd_dkdv(
-    Q, K, V, DO, Lse, Delta, DK, DV,
-    sqb, sqs, sqh, sqd,
-    skb, sks, skh, skd,
-    svb, svs, svh, svd,
-    sdob, sdos, sdoh, sdod,
-    slb, slh, sls,
-    seb, seh, ses,
-    sdkb, sdks, sdkh, sdkd,
-    sdvb, sdvs, sdvh, sdvd,
-    Lq, Lk, shift, group, qk_scale, scale,
-    LQ_BUCKET, LK_BUCKET,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    sqb,
+    sqs,
+    sqh,
+    sqd,
+    skb,
+    sks,
+    skh,
+    skd,
+    svb,
+    svs,
+    svh,
+    svd,
+    sdob,
+    sdos,
+    sdoh,
+    sdod,
+    slb,
+    slh,
+    sls,
+    seb,
+    seh,
+    ses,
+    sdkb,
+    sdks,
+    sdkh,
+    sdkd,
+    sdvb,
+    sdvs,
+    sdvh,
+    sdvd,
+    Lq,
+    Lk,
+    shift,
+    group,
+    qk_scale,
+    scale,
+    LQ_BUCKET,
+    LK_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_n = tl.program_id(0)  # causal: the first key blocks see the most rows, and start first
     hk = tl.program_id(1)
@@ -96,10 +174,16 @@ def _attn_bwd_dkdv(
     mask_d = offs_d[None, :] < HEAD_DIM
     kv_mask = (offs_n[:, None] < Lk) & mask_d
 
-    k = tl.load(K + b * skb + hk.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * sks
-                + offs_d[None, :] * skd, mask=kv_mask, other=0.0)
-    v = tl.load(V + b * svb + hk.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svs
-                + offs_d[None, :] * svd, mask=kv_mask, other=0.0)
+    k = tl.load(
+        K + b * skb + hk.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :] * skd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V + b * svb + hk.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svs + offs_d[None, :] * svd,
+        mask=kv_mask,
+        other=0.0,
+    )
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
@@ -111,36 +195,80 @@ def _attn_bwd_dkdv(
         lo = tl.minimum(lo, end)
         mid = tl.minimum(tl.maximum(mid, lo), end)
     else:
-        lo = 0
-        mid = 0
+        lo = n0 * 0
+        mid = n0 * 0
 
     for g in range(group):
         h = (hk * group + g).to(tl.int64)
         q_ptrs = Q + b * sqb + h * sqh + lo.to(tl.int64) * sqs + offs_m[:, None] * sqs + offs_d[None, :] * sqd
-        do_ptrs = (DO + b * sdob + h * sdoh + lo.to(tl.int64) * sdos + offs_m[:, None] * sdos
-                   + offs_d[None, :] * sdod)
+        do_ptrs = (
+            DO
+            + b * sdob
+            + h * sdoh
+            + lo.to(tl.int64) * sdos
+            + offs_m[:, None] * sdos
+            + offs_d[None, :] * sdod
+        )
         lse_ptrs = Lse + b * slb + h * slh + (lo + offs_m).to(tl.int64) * sls
         delta_ptrs = Delta + b * seb + h * seh + (lo + offs_m).to(tl.int64) * ses
         for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n,
-                                mask_d, Lq, shift, qk_scale, True, PREC)
+            dk, dv = _dkdv_step(
+                dk,
+                dv,
+                k,
+                v,
+                q_ptrs,
+                do_ptrs,
+                lse_ptrs,
+                delta_ptrs,
+                start_m,
+                offs_m,
+                offs_n,
+                mask_d,
+                Lq,
+                shift,
+                qk_scale,
+                True,
+                PREC,
+                HEAD_DIM == D_PAD,
+            )
             q_ptrs += BLOCK_M * sqs
             do_ptrs += BLOCK_M * sdos
             lse_ptrs += BLOCK_M * sls
             delta_ptrs += BLOCK_M * ses
         for start_m in range(mid, end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, start_m, offs_m, offs_n,
-                                mask_d, Lq, shift, qk_scale, False, PREC)
+            dk, dv = _dkdv_step(
+                dk,
+                dv,
+                k,
+                v,
+                q_ptrs,
+                do_ptrs,
+                lse_ptrs,
+                delta_ptrs,
+                start_m,
+                offs_m,
+                offs_n,
+                mask_d,
+                Lq,
+                shift,
+                qk_scale,
+                False,
+                PREC,
+                HEAD_DIM == D_PAD,
+            )
             q_ptrs += BLOCK_M * sqs
             do_ptrs += BLOCK_M * sdos
             lse_ptrs += BLOCK_M * sls
             delta_ptrs += BLOCK_M * ses
 
     dk = dk * scale
-    dk_ptrs = (DK + b * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None].to(tl.int64) * sdks
-               + offs_d[None, :] * sdkd)
-    dv_ptrs = (DV + b * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None].to(tl.int64) * sdvs
-               + offs_d[None, :] * sdvd)
+    dk_ptrs = (
+        DK + b * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None].to(tl.int64) * sdks + offs_d[None, :] * sdkd
+    )
+    dv_ptrs = (
+        DV + b * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None].to(tl.int64) * sdvs + offs_d[None, :] * sdvd
+    )
     if ACCUM:
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0)
         dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0)
@@ -150,17 +278,29 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _dq_step(
-    dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk, shift, qk_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    offs_m,
+    offs_n,
+    mask_d,
+    Lk,
+    shift,
+    qk_scale,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """Add one key block's contribution to a query block's dq."""
-    if MASK:
-        n_ok = (start_n + offs_n) < Lk
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & mask_d, other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & mask_d, other=0.0)
-    else:
-        k = tl.load(k_ptrs, mask=mask_d, other=0.0)
-        v = tl.load(v_ptrs, mask=mask_d, other=0.0)
+    n_ok = (start_n + offs_n) < Lk
+    k = load_tile(k_ptrs, n_ok, mask_d, MASK, EVEN_D)
+    v = load_tile(v_ptrs, n_ok, mask_d, MASK, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK:
@@ -174,22 +314,62 @@ def _dq_step(
     return dq
 
 
-@triton.autotune(configs=DQ_CONFIGS, key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
-                 restore_value=["DQ"])
+@triton.autotune(
+    configs=DQ_CONFIGS,
+    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+    restore_value=["DQ"],
+    do_bench=tune_bench,
+)
 @triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
 def _attn_bwd_dq(
-    Q, K, V, DO, Lse, Delta, DQ,
-    sqb, sqs, sqh, sqd,
-    skb, sks, skh, skd,
-    svb, svs, svh, svd,
-    sdob, sdos, sdoh, sdod,
-    slb, slh, sls,
-    seb, seh, ses,
-    sdqb, sdqs, sdqh, sdqd,
-    Lq, Lk, shift, group, qk_scale, scale,
-    LQ_BUCKET, LK_BUCKET,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    Lse,
+    Delta,
+    DQ,
+    sqb,
+    sqs,
+    sqh,
+    sqd,
+    skb,
+    sks,
+    skh,
+    skd,
+    svb,
+    svs,
+    svh,
+    svd,
+    sdob,
+    sdos,
+    sdoh,
+    sdod,
+    slb,
+    slh,
+    sls,
+    seb,
+    seh,
+    ses,
+    sdqb,
+    sdqs,
+    sdqh,
+    sdqd,
+    Lq,
+    Lk,
+    shift,
+    group,
+    qk_scale,
+    scale,
+    LQ_BUCKET,
+    LK_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -218,13 +398,49 @@ def _attn_bwd_dq(
     k_ptrs = K + b * skb + hk.to(tl.int64) * skh + offs_n[:, None] * sks + offs_d[None, :] * skd
     v_ptrs = V + b * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svs + offs_d[None, :] * svd
     for start_n in range(0, full_hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk, shift,
-                      qk_scale, False, CAUSAL, PREC)
+        dq = _dq_step(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_ptrs,
+            v_ptrs,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            Lk,
+            shift,
+            qk_scale,
+            False,
+            CAUSAL,
+            PREC,
+            HEAD_DIM == D_PAD,
+        )
         k_ptrs += BLOCK_N * sks
         v_ptrs += BLOCK_N * svs
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk, shift,
-                      qk_scale, True, CAUSAL, PREC)
+        dq = _dq_step(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_ptrs,
+            v_ptrs,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            Lk,
+            shift,
+            qk_scale,
+            True,
+            CAUSAL,
+            PREC,
+            HEAD_DIM == D_PAD,
+        )
         k_ptrs += BLOCK_N * sks
         v_ptrs += BLOCK_N * svs
 

@@ -6,6 +6,7 @@ import os
 
 import triton
 import triton.language as tl
+import triton.testing
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -26,12 +27,16 @@ def bucket(n: int) -> int:
 
 
 def configs(gpu: list[tuple[int, int, int, int]], interp: tuple[int, int]) -> list[triton.Config]:
-    """Autotune configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; one small one in the interpreter."""
+    """Autotune configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``.
+
+    One small config in the interpreter; only the first (default) GPU config when
+    ``LIGHTSEQ_TRITON_AUTOTUNE=0`` (fast compiles for tests).
+    """
     if interpreting():
         return [triton.Config({"BLOCK_M": interp[0], "BLOCK_N": interp[1]}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in gpu
-    ]
+    if os.environ.get("LIGHTSEQ_TRITON_AUTOTUNE", "1") == "0":
+        gpu = gpu[:1]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in gpu]
 
 
 @triton.jit
@@ -53,3 +58,23 @@ def key_ranges(m0, Lq, Lk, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
     hi = tl.maximum(hi, 0)
     full_hi = (end_full // BLOCK_N) * BLOCK_N
     return full_hi, hi
+
+
+@triton.jit
+def load_tile(ptrs, row_ok, mask_d, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
+    """Load a [rows, D_PAD] tile; masks only where needed so interior loads stay unmasked."""
+    if ROW_MASK:
+        if EVEN_D:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        else:
+            return tl.load(ptrs, mask=row_ok[:, None] & mask_d, other=0.0)
+    else:
+        if EVEN_D:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=mask_d, other=0.0)
+
+
+def tune_bench(fn, quantiles=None):
+    """Short timing for the autotuner (its default spends ~125 ms per config)."""
+    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges
+from .triton_common import configs, key_ranges, load_tile, tune_bench
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
@@ -21,17 +21,28 @@ FWD_CONFIGS = configs(
 
 @triton.jit
 def _fwd_step(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, kv_mask_d, Lk, shift, qk_scale,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_ptrs,
+    v_ptrs,
+    start_n,
+    offs_m,
+    offs_n,
+    kv_mask_d,
+    Lk,
+    shift,
+    qk_scale,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PREC: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """One key block of the online softmax (log2 domain)."""
-    if MASK:
-        n_ok = (start_n + offs_n) < Lk
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & kv_mask_d, other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & kv_mask_d, other=0.0)
-    else:
-        k = tl.load(k_ptrs, mask=kv_mask_d, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask_d, other=0.0)
+    n_ok = (start_n + offs_n) < Lk
+    k = load_tile(k_ptrs, n_ok, kv_mask_d, MASK, EVEN_D)
+    v = load_tile(v_ptrs, n_ok, kv_mask_d, MASK, EVEN_D)
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if MASK:
         keep = n_ok[None, :]
@@ -51,20 +62,52 @@ def _fwd_step(
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=FWD_CONFIGS, key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
-                 restore_value=["Out", "Lse"])
+@triton.autotune(
+    configs=FWD_CONFIGS,
+    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+    restore_value=["Out", "Lse"],
+    do_bench=tune_bench,
+)
 @triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
 def _attn_fwd(
-    Q, K, V, Out, Lse,
-    sqb, sqs, sqh, sqd,
-    skb, sks, skh, skd,
-    svb, svs, svh, svd,
-    sob, sos, soh, sod,
-    slb, slh, sls,
-    Lq, Lk, shift, group, qk_scale,
-    LQ_BUCKET, LK_BUCKET,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, ACCUM: tl.constexpr,
-    PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    sqb,
+    sqs,
+    sqh,
+    sqd,
+    skb,
+    sks,
+    skh,
+    skd,
+    svb,
+    svs,
+    svh,
+    svd,
+    sob,
+    sos,
+    soh,
+    sod,
+    slb,
+    slh,
+    sls,
+    Lq,
+    Lk,
+    shift,
+    group,
+    qk_scale,
+    LQ_BUCKET,
+    LK_BUCKET,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    ACCUM: tl.constexpr,
+    PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the heaviest query blocks (most keys) start first
@@ -107,13 +150,47 @@ def _attn_fwd(
     k_ptrs = k_base + offs_n[:, None] * sks + offs_d[None, :] * skd
     v_ptrs = v_base + offs_n[:, None] * svs + offs_d[None, :] * svd
     for start_n in range(0, full_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk,
-                                  shift, qk_scale, False, CAUSAL, PREC)
+        acc, m_i, l_i = _fwd_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            Lk,
+            shift,
+            qk_scale,
+            False,
+            CAUSAL,
+            PREC,
+            HEAD_DIM == D_PAD,
+        )
         k_ptrs += BLOCK_N * sks
         v_ptrs += BLOCK_N * svs
     for start_n in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, mask_d, Lk,
-                                  shift, qk_scale, True, CAUSAL, PREC)
+        acc, m_i, l_i = _fwd_step(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k_ptrs,
+            v_ptrs,
+            start_n,
+            offs_m,
+            offs_n,
+            mask_d,
+            Lk,
+            shift,
+            qk_scale,
+            True,
+            CAUSAL,
+            PREC,
+            HEAD_DIM == D_PAD,
+        )
         k_ptrs += BLOCK_N * sks
         v_ptrs += BLOCK_N * svs
 

@@ -1,0 +1,334 @@
+"""Benchmark the triton backend against torch SDPA (cuDNN and flash) in one run, on the same inputs.
+
+Forward and forward+backward, bf16, batch 1, seq 4K..64K, heads 32/32 and 32/8 (8/8 and 8/2 at 64K),
+head dims 128 and 64, causal and non-causal. Writes ``kernels-<device>-<date>.json`` and a PNG plot
+to ``--out`` and prints a table. ``--plot-from FILE.json`` only redraws the plot from a JSON file.
+
+TFLOP/s: causal forward = 2*B*H*N^2*D, non-causal 4*B*H*N^2*D, forward+backward = 3.5x forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+IMPLS = ("ours", "cudnn", "flash")
+
+
+def attn_flops(b: int, h: int, n: int, d: int, causal: bool, mode: str) -> float:
+    fwd = (2.0 if causal else 4.0) * b * h * n * n * d
+    return fwd * (3.5 if mode == "fwd_bwd" else 1.0)
+
+
+def measure_ceilings(torch, do_bench) -> dict:
+    """bf16 8192^3 matmul rate and device-to-device copy bandwidth (read + write)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    x = torch.randn(512 * 2**20, device="cuda", dtype=torch.float32)  # 2 GiB
+    y = torch.empty_like(x)
+    ms_copy = do_bench(lambda: y.copy_(x), warmup=20, rep=200, return_mode="median")
+    return {
+        "matmul_bf16_8192_tflops": 2 * 8192**3 / ms / 1e9,
+        "copy_bandwidth_tbps": 2 * x.numel() * 4 / ms_copy / 1e9,
+    }
+
+
+def run(args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import triton
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from triton.testing import do_bench
+
+    from lightseq_hf.kernels import triton_attn
+
+    kern = triton_attn.TritonKernel()
+    dev_name = torch.cuda.get_device_name()
+    ceil = measure_ceilings(torch, do_bench)
+    print(
+        f"device {dev_name}: matmul {ceil['matmul_bf16_8192_tflops']:.0f} TFLOP/s, "
+        f"copy {ceil['copy_bandwidth_tbps']:.2f} TB/s",
+        flush=True,
+    )
+
+    def bench(fn, grad_to_none=None):
+        try:
+            return do_bench(
+                fn, warmup=args.warmup, rep=args.rep, grad_to_none=grad_to_none, return_mode="median"
+            )
+        except Exception as e:  # an SDPA backend may refuse a shape (e.g. GQA on cuDNN)
+            print(f"    skipped: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+            torch.cuda.synchronize()
+            return None
+
+    rows = []
+    t_start = time.time()
+    for n in args.seqs:
+        heads = [(8, 8), (8, 2)] if n >= 65536 else [(32, 32), (32, 8)]
+        for h, hk in heads:
+            for d in args.head_dims:
+                for causal in (True, False):
+                    torch.manual_seed(0)
+                    q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)
+                    k = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
+                    v = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
+                    do = torch.randn_like(q)
+                    scale = d**-0.5
+                    # SDPA inputs in (b, h, s, d), made contiguous outside the timed region.
+                    qt, kt, vt, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+                    qt.requires_grad_()
+                    kt.requires_grad_()
+                    vt.requires_grad_()
+                    gqa = h != hk
+
+                    def ours_fwd(q=q, k=k, v=v, causal=causal, scale=scale):
+                        return kern.forward(q, k, v, causal=causal, scale=scale)
+
+                    def ours_fb(q=q, k=k, v=v, do=do, causal=causal, scale=scale):
+                        o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
+                        return kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+
+                    def sdpa_fwd(be, qt=qt, kt=kt, vt=vt, causal=causal, scale=scale, gqa=gqa):
+                        with sdpa_kernel(be), torch.no_grad():
+                            return F.scaled_dot_product_attention(
+                                qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa
+                            )
+
+                    def sdpa_fb(be, qt=qt, kt=kt, vt=vt, dot=dot, causal=causal, scale=scale, gqa=gqa):
+                        with sdpa_kernel(be):
+                            o = F.scaled_dot_product_attention(
+                                qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa
+                            )
+                        o.backward(dot)
+
+                    # Check the kernel against SDPA flash before timing it.
+                    o, lse = ours_fwd()
+                    ref = sdpa_fwd(SDPBackend.FLASH_ATTENTION)
+                    err = ((o.transpose(1, 2).float() - ref.float()).norm() / ref.float().norm()).item()
+                    del ref
+                    row = {
+                        "seq": n,
+                        "heads": h,
+                        "kv_heads": hk,
+                        "head_dim": d,
+                        "causal": causal,
+                        "rel_err_vs_flash": err,
+                    }
+                    bwd_ms = bench(
+                        lambda o=o, lse=lse, q=q, k=k, v=v, do=do, causal=causal, scale=scale: kern.backward(
+                            do, q, k, v, o, lse, causal=causal, scale=scale
+                        )
+                    )
+                    row["ours_bwd_only_ms"] = bwd_ms
+                    del o, lse
+                    for mode in ("fwd", "fwd_bwd"):
+                        ms = {
+                            "ours": bench(ours_fwd if mode == "fwd" else ours_fb),
+                            "cudnn": bench(
+                                (lambda: sdpa_fwd(SDPBackend.CUDNN_ATTENTION))
+                                if mode == "fwd"
+                                else (lambda: sdpa_fb(SDPBackend.CUDNN_ATTENTION)),
+                                [qt, kt, vt],
+                            ),
+                            "flash": bench(
+                                (lambda: sdpa_fwd(SDPBackend.FLASH_ATTENTION))
+                                if mode == "fwd"
+                                else (lambda: sdpa_fb(SDPBackend.FLASH_ATTENTION)),
+                                [qt, kt, vt],
+                            ),
+                        }
+                        fl = attn_flops(1, h, n, d, causal, mode)
+                        row[mode] = {
+                            impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9}
+                            for impl, t in ms.items()
+                        }
+                        for impl in ("cudnn", "flash"):
+                            row[mode][f"{impl}_over_ours"] = (
+                                None if ms[impl] is None or ms["ours"] is None else ms[impl] / ms["ours"]
+                            )
+                        row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9
+                    rows.append(row)
+                    print(fmt_row(row), f"[{time.time() - t_start:.0f}s]", flush=True)
+                    del q, k, v, do, qt, kt, vt, dot
+                    torch.cuda.empty_cache()
+
+    return {
+        "device": dev_name,
+        "date": datetime.date.today().isoformat(),
+        "versions": {
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        },
+        "config": {
+            "dtype": "bfloat16",
+            "batch": 1,
+            "warmup_ms": args.warmup,
+            "rep_ms": args.rep,
+            "timing": "triton.testing.do_bench median",
+            "flops": "causal fwd 2*B*H*N^2*D, non-causal 4*B*H*N^2*D, fwd+bwd 3.5x fwd",
+        },
+        "ceilings": ceil,
+        "rows": rows,
+        "summary": summarize(rows),
+        "resources": resource_report(),
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    def ratio(r, mode, impl):
+        return r[mode].get(f"{impl}_over_ours")
+
+    causal128 = [r for r in rows if r["causal"] and r["head_dim"] == 128]
+    flash_fb = [ratio(r, "fwd_bwd", "flash") for r in causal128 if ratio(r, "fwd_bwd", "flash") is not None]
+    at16k = [r for r in causal128 if r["seq"] == 16384 and r["heads"] == 32 and r["kv_heads"] == 32]
+    s = {
+        "fwd_bwd_vs_sdpa_flash_min": min(flash_fb) if flash_fb else None,
+        "fwd_bwd_vs_cudnn_16k": ratio(at16k[0], "fwd_bwd", "cudnn") if at16k else None,
+        "fwd_vs_cudnn_16k": ratio(at16k[0], "fwd", "cudnn") if at16k else None,
+    }
+    cud_fb = [ratio(r, "fwd_bwd", "cudnn") for r in causal128 if r["seq"] >= 16384]
+    cud_f = [ratio(r, "fwd", "cudnn") for r in causal128]
+    s["fwd_bwd_vs_cudnn_min_16k_up"] = min([x for x in cud_fb if x is not None], default=None)
+    s["fwd_vs_cudnn_min"] = min([x for x in cud_f if x is not None], default=None)
+    return s
+
+
+def resource_report() -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant of our kernels."""
+    from lightseq_hf.kernels import triton_bwd, triton_fwd
+
+    out = []
+    for name, at in (
+        ("fwd", triton_fwd._attn_fwd),
+        ("dkdv", triton_bwd._attn_bwd_dkdv),
+        ("dq", triton_bwd._attn_bwd_dq),
+    ):
+        best = {str(k): str(v) for k, v in getattr(at, "cache", {}).items()}
+        jit = at.fn
+        caches = getattr(jit, "device_caches", {}) or {}
+        for dev_cache in caches.values():
+            kcache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+            for ck in kcache.values():
+                md = ck.metadata
+                out.append(
+                    {
+                        "kernel": name,
+                        "n_regs": getattr(ck, "n_regs", None),
+                        "n_spills": getattr(ck, "n_spills", None),
+                        "shared_bytes": getattr(md, "shared", None),
+                        "num_warps": getattr(md, "num_warps", None),
+                        "num_stages": getattr(md, "num_stages", None),
+                    }
+                )
+        out.append({"kernel": name, "autotune_choices": best})
+    return out
+
+
+def fmt_row(r: dict) -> str:
+    def part(mode):
+        m = r[mode]
+        t = " ".join(f"{impl}={m[impl]['tflops']:6.1f}" if m[impl] else f"{impl}=   n/a" for impl in IMPLS)
+        c = m.get("cudnn_over_ours")
+        f = m.get("flash_over_ours")
+        return f"{t} cudnn/ours={c:.2f} flash/ours={f:.2f}" if c and f else t
+
+    return (
+        f"{r['seq'] // 1024:>3}K {r['heads']:>2}/{r['kv_heads']:<2} d{r['head_dim']:<3} "
+        f"{'causal' if r['causal'] else 'full  '} | fwd {part('fwd')} | fwd+bwd {part('fwd_bwd')}"
+    )
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
+    for i, mode in enumerate(("fwd", "fwd_bwd")):
+        for j, causal in enumerate((True, False)):
+            ax = axes[i][j]
+            for impl, color in zip(IMPLS, ("C0", "C1", "C2")):
+                for d, gqa, style in ((128, False, "-"), (128, True, "--"), (64, False, ":")):
+                    pts = [
+                        (r["seq"], r[mode][impl]["tflops"])
+                        for r in res["rows"]
+                        if r["causal"] == causal
+                        and r["head_dim"] == d
+                        and (r["heads"] != r["kv_heads"]) == gqa
+                        and r[mode][impl]
+                    ]
+                    if pts:
+                        xs, ys = zip(*sorted(pts))
+                        ax.plot(
+                            xs,
+                            ys,
+                            style,
+                            color=color,
+                            marker="o",
+                            ms=3,
+                            label=f"{impl} d{d}{' GQA' if gqa else ''}",
+                        )
+            ax.set_xscale("log", base=2)
+            ax.set_title(
+                f"{'forward' if mode == 'fwd' else 'forward+backward'}, "
+                f"{'causal' if causal else 'non-causal'}"
+            )
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
+    axes[1][0].set_xlabel("sequence length")
+    axes[1][1].set_xlabel("sequence length")
+    axes[0][0].legend(fontsize=7, ncol=3)
+    fig.suptitle(
+        f"{res['device']} bf16, batch 1 ({res['date']}); matmul "
+        f"{res['ceilings']['matmul_bf16_8192_tflops']:.0f} TFLOP/s"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
+    p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--warmup", type=float, default=10.0, help="do_bench warmup, ms")
+    p.add_argument("--rep", type=float, default=60.0, help="do_bench repetitions, ms")
+    p.add_argument("--plot-from", default=None, help="redraw the plot from this JSON and exit")
+    args = p.parse_args()
+    if args.plot_from:
+        src = Path(args.plot_from)
+        plot(json.loads(src.read_text()), src.with_suffix(".png"))
+        return
+    res = run(args)
+    slug = re.sub(r"[^a-z0-9]+", "-", res["device"].lower().replace("nvidia", "")).strip("-")
+    slug = slug.split("-")[0] if slug else "gpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"kernels-{slug}-{res['date']}.json"
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
+    try:
+        plot(res, path.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib missing: run --plot-from on another machine")
+    print("\nseq heads dim mask | TFLOP/s fwd (ours cudnn flash) | fwd+bwd")
+    for r in res["rows"]:
+        print(fmt_row(r))
+    print("summary:", json.dumps(res["summary"]))
+    print("ceilings:", json.dumps(res["ceilings"]))
+
+
+if __name__ == "__main__":
+    main()
