@@ -1,4 +1,8 @@
-"""Local attention backends behind one contract (see ``base``): reference, triton, sdpa."""
+"""Local attention backends behind one contract (see ``base``).
+
+``reference`` (PyTorch, any device), ``triton`` (our FlashAttention kernels), ``sdpa_cudnn`` /
+``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``auto``.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import torch
 from .base import AttentionKernel, attention_delta, check_qkv
 from .reference import ReferenceKernel
 
-BACKENDS = ("auto", "reference", "triton", "sdpa")
+BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash")
 
 _cache: dict[str, AttentionKernel] = {}
 
@@ -44,7 +48,7 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
             f"the kernels in Triton's CPU interpreter); tensors are on {device}. "
             "Use backend='reference' or 'auto' on the CPU."
         )
-    if backend == "sdpa" and device.type != "cuda":
+    if backend.startswith("sdpa") and device.type != "cuda":
         raise ValueError(
             f"backend 'sdpa' runs torch's flash/cuDNN kernels and needs a CUDA GPU; tensors are on "
             f"{device}. Use backend='reference' or 'auto' on the CPU."
@@ -59,7 +63,7 @@ def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
         else:
             from .sdpa import SdpaKernel
 
-            _cache[backend] = SdpaKernel()
+            _cache[backend] = SdpaKernel("flash" if backend == "sdpa_flash" else "cudnn")
     return _cache[backend]
 
 

@@ -38,6 +38,20 @@ class Pending:
         self._works = []
 
 
+TRANSFER_MODES = ("overlap", "serial", "compute_only")
+_mode = "overlap"
+
+
+def set_transfer_mode(mode: str) -> None:
+    """Benchmark ablations: ``"overlap"`` (default), ``"serial"`` (every transfer completes before
+    the next compute starts) or ``"compute_only"`` (no transfers at all: wrong results, pure
+    compute time of the schedule)."""
+    global _mode
+    if mode not in TRANSFER_MODES:
+        raise ValueError(f"unknown transfer mode {mode!r}; choose one of {', '.join(TRANSFER_MODES)}.")
+    _mode = mode
+
+
 class PeerComm:
     """Batched ``isend``/``irecv`` among the ranks of ``group``."""
 
@@ -53,15 +67,19 @@ class PeerComm:
 
     def post(self, transfers: Transfers) -> Pending:
         """Start the transfers; the sends read tensors as the compute stream left them."""
-        if not transfers:
+        if not transfers or _mode == "compute_only":
             return Pending([], None)
         ops = [dist.P2POp(dist.isend, t, self._global_rank(p), self.group) for p, t in transfers.sends]
         ops += [dist.P2POp(dist.irecv, t, self._global_rank(p), self.group) for p, t in transfers.recvs]
         if self.stream is None:
-            return Pending(dist.batch_isend_irecv(ops), None)
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            works = dist.batch_isend_irecv(ops)
-        return Pending(works, self.stream)
+            pending = Pending(dist.batch_isend_irecv(ops), None)
+        else:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_event(ready)
+                works = dist.batch_isend_irecv(ops)
+            pending = Pending(works, self.stream)
+        if _mode == "serial":
+            pending.wait()
+        return pending

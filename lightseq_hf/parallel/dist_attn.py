@@ -186,7 +186,13 @@ def dist_attn_backward(
     A gradient ``dlse`` of the lse folds into delta: d lse_i / d s_ij = p_ij, so the
     score gradient p * (dp - delta) becomes p * (dp - (delta - dlse)).
     """
-    delta = attention_delta(dout, out)
+    needs_out = getattr(kernel, "needs_out_in_backward", False)
+    if needs_out and dlse is not None:
+        raise ValueError(
+            f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
+            "backend='triton' or 'reference', or do not use the lse in the loss."
+        )
+    delta = None if needs_out else attention_delta(dout, out)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -195,21 +201,19 @@ def dist_attn_backward(
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     dout = dout.contiguous()
 
-    def q_side(task: Task) -> Bundle:
-        return {
-            "q": _rows(q, task, 1).contiguous(),
-            "dout": _rows(dout, task, 1).contiguous(),
-            "lse": _rows(lse, task, 2).contiguous(),
-            "delta": _rows(delta, task, 2).contiguous(),
-        }
+    # Kernels that cannot take delta (SDPA) get the output rows instead.
+    row_stat, row_stat_dim = (out, 1) if needs_out else (delta, 2)
 
     def q_side_like(task: Task) -> Bundle:
         return {
             "q": _rows(q, task, 1),
             "dout": _rows(dout, task, 1),
             "lse": _rows(lse, task, 2),
-            "delta": _rows(delta, task, 2),
+            "stat": _rows(row_stat, task, row_stat_dim),
         }
+
+    def q_side(task: Task) -> Bundle:
+        return {name: x.contiguous() for name, x in q_side_like(task).items()}
 
     def plan_inputs(t: int):
         return _plan_fetch(schedule, t, rank, q_side, q_side_like, {"k": k, "v": v})
@@ -219,9 +223,10 @@ def dist_attn_backward(
         if task is None:
             return None
         own_q, own_kv = task.q_owner == rank, task.kv_owner == rank
+        row_out, row_delta = (q_in["stat"], None) if needs_out else (None, q_in["stat"])
         grads = kernel.backward(
-            q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], None, q_in["lse"],
-            causal=task.diagonal, scale=scale, delta=q_in["delta"],
+            q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
+            causal=task.diagonal, scale=scale, delta=row_delta,
             dq=_rows(dq, task, 1) if own_q else None,
             dk=dk if own_kv else None,
             dv=dv if own_kv else None,

@@ -1,0 +1,106 @@
+"""torch's fused SDPA kernels (cuDNN or FlashAttention-2) behind the kernel contract.
+
+These aten ops return the log-sum-exp and their backward accepts an out and lse, which
+is all the distributed loop needs. They have no accumulate mode (a separate merge runs
+after each chunk), need ``out`` itself in backward (not just ``delta``), and take equal
+query and key/value head counts, so GQA key/value heads are expanded for the duration
+of one call (the ``triton`` backend reads them in place).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import check_qkv
+
+FLAVORS = ("cudnn", "flash")
+
+
+class SdpaKernel:
+    """Local attention through ``aten._scaled_dot_product_{cudnn,flash}_attention``."""
+
+    needs_out_in_backward = True
+    supports_delta = False
+
+    def __init__(self, flavor: str = "cudnn") -> None:
+        if flavor not in FLAVORS:
+            raise ValueError(f"unknown SDPA flavor {flavor!r}; choose one of {', '.join(FLAVORS)}.")
+        self.flavor = flavor
+        self.name = f"sdpa_{flavor}"
+
+    @staticmethod
+    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+        check_qkv(q, k, v)
+        if q.device.type != "cuda":
+            raise ValueError(f"the SDPA backends need CUDA tensors; got {q.device}. Use backend='reference'.")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"the SDPA backends take float16 or bfloat16, not {q.dtype}; cast the inputs or use "
+                "backend='reference'."
+            )
+        if causal and q.shape[1] != k.shape[1]:
+            raise ValueError(
+                "the SDPA backends align causal masks top-left, which differs from this library's "
+                "bottom-right rule when q_len != kv_len; use backend='triton' or 'reference'."
+            )
+
+    @staticmethod
+    def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
+        group = heads // t.shape[2]
+        return t if group == 1 else t.repeat_interleave(group, dim=2)
+
+    def _call_forward(self, q, k, v, causal, scale):
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        if self.flavor == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+            )
+        else:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(
+                qt, kt, vt, 0.0, causal, False, scale=scale
+            )
+        return res
+
+    def forward(self, q, k, v, *, causal, scale, out=None, lse=None):
+        self._check(q, k, v, causal)
+        h = q.shape[2]
+        res = self._call_forward(q, self._expand(k, h), self._expand(v, h), causal, scale)
+        chunk_out = res[0].transpose(1, 2)
+        chunk_lse = res[1].reshape(q.shape[0], h, q.shape[1]).float()
+        if out is None:
+            return chunk_out, chunk_lse
+        from ..parallel.merge import merge_into
+
+        merge_into(out, lse, chunk_out, chunk_lse)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None):
+        self._check(q, k, v, causal)
+        if out is None:
+            raise ValueError("the SDPA backends need the attention output in backward (not only delta).")
+        b, lq, h, d = q.shape
+        hk = k.shape[2]
+        ke, ve = self._expand(k, h), self._expand(v, h)
+        qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, ke, ve, out.to(q.dtype), dout.to(q.dtype)))
+        lse = lse.float().contiguous()
+        empty = torch.empty(0, device=q.device)
+        if self.flavor == "cudnn":
+            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dot, qt, kt, vt, ot, lse.unsqueeze(-1), empty, empty, None, empty, empty,
+                lq, k.shape[1], 0.0, causal, scale=scale,
+            )
+        else:
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                dot, qt, kt, vt, ot, lse, empty, empty, lq, k.shape[1], 0.0, causal, empty, empty, scale=scale
+            )
+        gq = grads[0].transpose(1, 2)
+        gk = grads[1].transpose(1, 2).reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32)
+        gv = grads[2].transpose(1, 2).reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32)
+        result = []
+        for given, computed in ((dq, gq), (dk, gk), (dv, gv)):
+            if given is None:
+                result.append(computed.float())
+            else:
+                given += computed
+                result.append(given)
+        return tuple(result)
