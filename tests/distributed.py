@@ -27,11 +27,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300),
+                            **kwargs)
     try:
         result = fn(rank, world, *args)
     except Exception:
@@ -44,10 +49,11 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, out_dir:
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
 
 
-def run_distributed(fn: Callable, world: int, *args) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
+def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo on CPU, or nccl with one GPU
+    each); return each rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, _free_port(), fn, args, out_dir), nprocs=world,
+        mp.start_processes(_entry, args=(world, _free_port(), backend, fn, args, out_dir), nprocs=world,
                            join=True, start_method="spawn")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 

@@ -115,3 +115,44 @@ def worker_bad_inputs(rank, world):
 def test_unequal_shards_fail_on_every_rank_without_hanging():
     failures = [f for rank_failures in run_distributed(worker_bad_inputs, 2) for f in rank_failures]
     assert not failures, "\n".join(failures)
+
+
+def worker_out_only_kernel(rank, world):
+    """Kernels that need the output rows in backward (like SDPA) get them shipped instead of delta."""
+    import lightseq_hf
+    from lightseq_hf import kernels
+    from lightseq_hf.kernels.reference import ReferenceKernel
+
+    class OutOnly(ReferenceKernel):
+        needs_out_in_backward = True
+
+        def backward(self, dout, q, k, v, out, lse, *, delta=None, **kw):
+            assert out is not None and delta is None
+            return super().backward(dout, q, k, v, out, lse, **kw)
+
+    kernels._cache["reference"] = OutOnly()
+    failures = []
+    q, k, v, dout = make_inputs(7, 1, 24 * world, 4, 2, 8)
+    refs = naive_attention(q, k, v, True)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    naive_attention(qr, kr, vr, True)[0].backward(dout)
+    sl = slice(rank * 24, (rank + 1) * 24)
+    got = run_attention(q, k, v, dout, rank=rank, world=world, dtype=torch.float64, backend="reference")
+    for name, x, ref in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]),
+                            (refs[0], qr.grad, kr.grad, vr.grad)):
+        if rel_err(x, ref[:, sl]) > 1e-10:
+            failures.append(f"rank {rank}: {name} off with an out-only kernel")
+    try:
+        qs = q[:, sl].clone().requires_grad_()
+        _, lse = lightseq_hf.dist_flash_attn(qs, k[:, sl], v[:, sl], return_lse=True)
+        lse.sum().backward()
+        failures.append("an lse gradient through an out-only kernel was accepted")
+    except ValueError as e:
+        if "lse" not in str(e):
+            failures.append(f"unhelpful message: {e}")
+    return failures
+
+
+def test_kernels_needing_out_in_backward_get_it():
+    failures = [f for rank_failures in run_distributed(worker_out_only_kernel, 3) for f in rank_failures]
+    assert not failures, "\n".join(failures)

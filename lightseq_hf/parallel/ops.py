@@ -112,11 +112,13 @@ def _setup_context(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (causal, scale, group, schedule, backend)
-    ctx.mark_non_differentiable()
+    ctx.set_materialize_grads(False)  # an unused lse gets no (zero) gradient tensor
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
     dq, dk, dv = dist_attn_bwd(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None, None, None
 
