@@ -1,0 +1,193 @@
+"""Sequence sharding: global label shift, padding, contiguous slices, global positions, the exact loss.
+
+Every rank of a sequence-parallel group of ``P`` ranks holds the same full batch of length ``N``.
+The sequence is right-padded to ``N_pad`` (a multiple of ``P``) and rank ``r`` keeps tokens
+``[r * N_pad / P, (r + 1) * N_pad / P)``. Labels are shifted globally *before* slicing, so the
+token at a shard's last position predicts the first token of the next shard, and padding gets
+label ``-100``: exact, because under causal attention no real token sees a later pad.
+
+The loss of a group is ``sum of its token losses / denominator`` where the sum is all-reduced
+through a differentiable all-reduce (its backward all-reduces the gradient too). Every rank of a
+group then holds the same loss, and the gradients of the ``P`` replicas add up to ``P`` times the
+gradient of that loss, so the data-parallel *average* over all ``P * D`` ranks (what DDP and
+FSDP do) is the gradient of the mean of the ``D`` group losses: with one group, exactly the
+full-sequence gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """Where this rank's slice lies: tokens ``[start, end)`` of the padded length ``padded_len``."""
+
+    rank: int
+    world: int
+    seq_len: int
+    padded_len: int
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_len // self.world
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.local_len
+
+    @property
+    def end(self) -> int:
+        return self.start + self.local_len
+
+    @property
+    def real_end(self) -> int:
+        """End of the slice without the right padding."""
+        return min(self.end, self.seq_len)
+
+
+def shard_for(seq_len: int, rank: int, world: int) -> SequenceShard:
+    """The slice of rank ``rank`` of ``world`` for a sequence of ``seq_len`` tokens."""
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a group of {world} ranks.")
+    padded = -(-seq_len // world) * world
+    return SequenceShard(rank, world, seq_len, padded)
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value: float = 0) -> torch.Tensor:
+    """Right-pad ``x`` along ``dim`` with ``value`` to a length that is a multiple of ``multiple``."""
+    n = x.shape[dim]
+    extra = -n % multiple
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Global shift along dim 1: ``out[:, t] = labels[:, t + 1]``, the last position ``ignore_index``."""
+    return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
+
+
+def take_shard(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1, value: float = 0) -> torch.Tensor:
+    """Pad ``x`` (full length along ``dim``) to ``shard.padded_len`` and return this rank's slice."""
+    if x.shape[dim] != shard.seq_len:
+        raise ValueError(f"expected length {shard.seq_len} along dim {dim}, got {x.shape[dim]}.")
+    return pad_to_multiple(x, shard.world, dim=dim, value=value).narrow(dim, shard.start, shard.local_len)
+
+
+def global_position_ids(
+    position_ids: torch.Tensor | None, batch: int, shard: SequenceShard, device: torch.device
+) -> torch.Tensor:
+    """This rank's slice of the global position ids (``arange`` by default; pads continue counting).
+
+    ``position_ids`` must count up by one along the sequence (an offset start is fine); packed
+    sequences (positions that restart) are refused.
+    """
+    if position_ids is None:
+        return torch.arange(shard.start, shard.end, device=device).unsqueeze(0).expand(batch, -1)
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.shape[-1] != shard.seq_len:
+        raise ValueError(
+            f"position_ids have length {position_ids.shape[-1]} but the inputs have {shard.seq_len} tokens."
+        )
+    if shard.seq_len > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
+        raise ValueError(
+            "position_ids restart or skip inside a sequence (packed sequences); lightseq_hf's sequence "
+            "parallelism supports one contiguous sequence per row for now: pass position_ids=None or "
+            "0..N-1 per row, and do not pack several documents into one row."
+        )
+    extra = shard.padded_len - shard.seq_len
+    if extra:
+        tail = position_ids[:, -1:] + torch.arange(1, extra + 1, device=position_ids.device)
+        position_ids = torch.cat([position_ids, tail], dim=-1)
+    return position_ids[:, shard.start:shard.end].expand(batch, -1)
+
+
+def num_loss_tokens(shifted_labels: torch.Tensor) -> int:
+    """How many (already shifted) labels are not ``-100``: the per-group loss denominator."""
+    return int((shifted_labels != IGNORE_INDEX).sum())
+
+
+def _token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, vocab: int
+                    ) -> torch.Tensor:
+    logits = head(hidden).float()
+    return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def chunked_loss_sum(
+    hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, vocab: int, chunk_size: int = 2048
+) -> torch.Tensor:
+    """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, ``chunk_size`` tokens at a time.
+
+    Under autograd each chunk's float32 logits are recomputed in backward (checkpoint), so at most
+    one chunk of full-vocabulary logits is alive at any time. Chunks whose labels are all ignored
+    still run: every rank's sum must be in the graph, or the backward all-reduce would wait forever.
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    seq = hidden.shape[1]
+    per_chunk = max(1, chunk_size // max(1, hidden.shape[0]))
+    for i in range(0, seq, per_chunk):
+        h, y = hidden[:, i:i + per_chunk], labels[:, i:i + per_chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            part = torch.utils.checkpoint.checkpoint(_token_loss_sum, h, y, head, vocab, use_reentrant=False)
+        else:
+            part = _token_loss_sum(h, y, head, vocab)
+        total = total + part
+    return total
+
+
+class _GroupSum(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces (sums) the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        y = x.clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def group_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Differentiable sum over ``group``; its backward sums the gradients over the group too.
+
+    With no process group (or a group of one) it returns ``x``.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return x
+    return _GroupSum.apply(x, group)
+
+
+def sequence_parallel_loss(
+    local_sum: torch.Tensor,
+    num_tokens: int,
+    group: dist.ProcessGroup | None,
+    num_items_in_batch: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The group's loss: all-reduced token-loss sum / (``num_items_in_batch`` or the group's token count).
+
+    ``num_items_in_batch`` has the Trainer's meaning: the model divides the summed loss of the
+    tokens it holds (for us: its sequence-parallel group's) by it, so gradient accumulation and
+    ``average_tokens_across_devices`` stay exact.
+    """
+    total = group_sum(local_sum, group)
+    if num_items_in_batch is None:
+        return total / num_tokens
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch

@@ -1,0 +1,86 @@
+"""Hugging Face ``Trainer`` data loading for sequence parallelism.
+
+Accelerate shards a map-style dataset's batches over all processes. With sequence parallelism
+the ranks of a sequence-parallel group must get the *same* batches (the model slices them) and
+only data-parallel groups disjoint ones: the patch re-targets the prepared loader's
+``BatchSamplerShard`` from (world size, global rank) to (data-parallel size, data-parallel rank).
+Every rank still draws the same seeded permutation, so an epoch visits every sample once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.distributed as dist
+
+from ..parallel.groups import current_groups
+
+_saved: dict[str, object] = {}
+
+
+def data_parallel_coordinates() -> tuple[int, int, int]:
+    """(sp_size, dp_size, dp_rank) of this process under the current patch (1, 1, 0 without distributed)."""
+    from .llama import resolve_sp_group
+
+    group = resolve_sp_group()
+    if group is None:
+        return 1, 1, 0
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = current_groups()
+    if groups is not None and groups.sp_group is group:
+        return groups.sp_size, groups.dp_size, groups.dp_rank
+    sp_size = dist.get_world_size(group)
+    if world % sp_size:
+        raise ValueError(f"the sequence-parallel group has {sp_size} ranks, which does not divide the world "
+                         f"size {world}; use lightseq_hf.parallel.init_sequence_parallel(sp_size).")
+    dp_rank = rank // sp_size
+    if list(dist.get_process_group_ranks(group)) != list(range(dp_rank * sp_size, (dp_rank + 1) * sp_size)):
+        raise ValueError(
+            "the Trainer patch needs sequence-parallel groups of consecutive ranks ([0, sp), [sp, 2 sp), "
+            "...); create them with lightseq_hf.parallel.init_sequence_parallel(sp_size)."
+        )
+    return sp_size, world // sp_size, dp_rank
+
+
+def shard_by_data_parallel_rank(dataloader):
+    """Make an Accelerate-prepared loader yield this rank's data-parallel share; returns it."""
+    from accelerate.data_loader import BatchSamplerShard
+
+    sp_size, dp_size, dp_rank = data_parallel_coordinates()
+    if sp_size == 1:
+        return dataloader
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    if not isinstance(batch_sampler, BatchSamplerShard):
+        raise ValueError(
+            f"lightseq_hf cannot shard this data loader ({type(dataloader).__name__}) by data-parallel rank: "
+            "with sequence parallelism the Trainer needs a map-style dataset (with __len__) and "
+            "accelerator_config dispatch_batches=False and split_batches=False. Convert an iterable "
+            "dataset with datasets.Dataset.from_list / from_generator."
+        )
+    batch_sampler.num_processes = dp_size
+    batch_sampler.process_index = dp_rank
+    return dataloader
+
+
+def patch_trainer() -> None:
+    """Wrap ``transformers.Trainer._get_dataloader`` (train, eval and test loaders). Idempotent."""
+    from transformers import Trainer
+
+    if "_get_dataloader" in _saved or not hasattr(Trainer, "_get_dataloader"):
+        return
+    original = Trainer.__dict__["_get_dataloader"]
+
+    @functools.wraps(original)
+    def _get_dataloader(self, *args, **kwargs):
+        return shard_by_data_parallel_rank(original(self, *args, **kwargs))
+
+    _saved["_get_dataloader"] = original
+    Trainer._get_dataloader = _get_dataloader
+
+
+def unpatch_trainer() -> None:
+    """Restore the Trainer's data loading."""
+    if "_get_dataloader" in _saved:
+        from transformers import Trainer
+
+        Trainer._get_dataloader = _saved.pop("_get_dataloader")
