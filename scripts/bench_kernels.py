@@ -156,6 +156,8 @@ def run(args) -> dict:
                             )
                         row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9
                     rows.append(row)
+                    if args.partial:  # survive a time limit: keep what is measured so far
+                        Path(args.partial).write_text(json.dumps({"rows": rows, "ceilings": ceil}, indent=1))
                     print(fmt_row(row), f"[{time.time() - t_start:.0f}s]", flush=True)
                     del q, k, v, do, qt, kt, vt, dot
                     torch.cuda.empty_cache()
@@ -305,6 +307,7 @@ def main() -> None:
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     p.add_argument("--warmup", type=float, default=10.0, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=60.0, help="do_bench repetitions, ms")
+    p.add_argument("--partial", default=None, help="rewrite this JSON file after every row")
     p.add_argument("--plot-from", default=None, help="redraw the plot from this JSON and exit")
     args = p.parse_args()
     if args.plot_from:

@@ -58,6 +58,31 @@ def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> to
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when TMA can read it (unit last stride, 16-byte aligned base and strides), else a copy.
+
+    Standard (batch, seq, heads, head_dim) tensors and views into packed qkv qualify: no copy.
+    """
+    es = t.element_size()
+    ok = t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in t.stride()[:-1])
+    return t if ok else t.contiguous()
+
+
+_allocator_set = False
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    """In-kernel tensor descriptors need a scratch allocator on CUDA."""
+    global _allocator_set
+    if device.type == "cuda" and not _allocator_set:
+
+        def alloc(size: int, alignment: int, stream) -> torch.Tensor:
+            return torch.empty(size, device="cuda", dtype=torch.int8)
+
+        triton.set_allocator(alloc)
+        _allocator_set = True
+
+
 def _s(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
@@ -82,6 +107,8 @@ class TritonKernel:
         _check_inputs(q, k, v)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
+        k, v = _tma_ready(k), _tma_ready(v)
+        _ensure_allocator(q.device)
         accum = out is not None or lse is not None
         if accum:
             if out is None or lse is None:
@@ -178,6 +205,8 @@ class TritonKernel:
             return dq_t, dk_t, dv_t
         if lse.dtype != torch.float32:
             lse = lse.float()
+        q, dout = _tma_ready(q), _tma_ready(dout)
+        _ensure_allocator(dev)
         d_pad = triton.next_power_of_2(d)
         if delta is None:
             delta = _new((b, h, lq), torch.float32, dev)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, load_tile, tune_bench
+from .triton_common import configs, key_ranges, tune_bench
 
 DKDV_CONFIGS = configs(
-    [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+    [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
     interp=(16, 32),
 )
 DQ_CONFIGS = configs(
-    [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+    [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 2)],
     interp=(32, 16),
 )
 
@@ -69,25 +69,27 @@ def _dkdv_step(
     dv,
     k,
     v,
-    q_ptrs,
-    do_ptrs,
+    desc_q,
+    desc_do,
+    b,
+    h,
     lse_ptrs,
     delta_ptrs,
     start_m,
     offs_m,
     offs_n,
-    mask_d,
     Lq,
     shift,
     qk_scale,
     MASK: tl.constexpr,
     PREC: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     """Add one query block's contribution to a key block's dk/dv (transposed: keys are rows)."""
     m_ok = (start_m + offs_m) < Lq
-    q = load_tile(q_ptrs, m_ok, mask_d, True, EVEN_D)
-    do = load_tile(do_ptrs, m_ok, mask_d, True, EVEN_D)
+    q = desc_q.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
+    do = desc_do.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
     lse = tl.load(lse_ptrs, mask=m_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(delta_ptrs, mask=m_ok, other=0.0)
@@ -198,17 +200,18 @@ def _attn_bwd_dkdv(
         lo = n0 * 0
         mid = n0 * 0
 
+    n_b = tl.num_programs(2)
+    n_h = tl.num_programs(1) * group
+    desc_q = tl.make_tensor_descriptor(
+        Q, shape=[n_b, Lq, n_h, HEAD_DIM], strides=[sqb, sqs, sqh, 1], block_shape=[1, BLOCK_M, 1, D_PAD]
+    )
+    desc_do = tl.make_tensor_descriptor(
+        DO, shape=[n_b, Lq, n_h, HEAD_DIM], strides=[sdob, sdos, sdoh, 1], block_shape=[1, BLOCK_M, 1, D_PAD]
+    )
+    b32 = tl.program_id(2)
     for g in range(group):
-        h = (hk * group + g).to(tl.int64)
-        q_ptrs = Q + b * sqb + h * sqh + lo.to(tl.int64) * sqs + offs_m[:, None] * sqs + offs_d[None, :] * sqd
-        do_ptrs = (
-            DO
-            + b * sdob
-            + h * sdoh
-            + lo.to(tl.int64) * sdos
-            + offs_m[:, None] * sdos
-            + offs_d[None, :] * sdod
-        )
+        h32 = hk * group + g
+        h = h32.to(tl.int64)
         lse_ptrs = Lse + b * slb + h * slh + (lo + offs_m).to(tl.int64) * sls
         delta_ptrs = Delta + b * seb + h * seh + (lo + offs_m).to(tl.int64) * ses
         for start_m in range(lo, mid, BLOCK_M):
@@ -217,23 +220,23 @@ def _attn_bwd_dkdv(
                 dv,
                 k,
                 v,
-                q_ptrs,
-                do_ptrs,
+                desc_q,
+                desc_do,
+                b32,
+                h32,
                 lse_ptrs,
                 delta_ptrs,
                 start_m,
                 offs_m,
                 offs_n,
-                mask_d,
                 Lq,
                 shift,
                 qk_scale,
                 True,
                 PREC,
-                HEAD_DIM == D_PAD,
+                BLOCK_M,
+                D_PAD,
             )
-            q_ptrs += BLOCK_M * sqs
-            do_ptrs += BLOCK_M * sdos
             lse_ptrs += BLOCK_M * sls
             delta_ptrs += BLOCK_M * ses
         for start_m in range(mid, end, BLOCK_M):
@@ -242,23 +245,23 @@ def _attn_bwd_dkdv(
                 dv,
                 k,
                 v,
-                q_ptrs,
-                do_ptrs,
+                desc_q,
+                desc_do,
+                b32,
+                h32,
                 lse_ptrs,
                 delta_ptrs,
                 start_m,
                 offs_m,
                 offs_n,
-                mask_d,
                 Lq,
                 shift,
                 qk_scale,
                 False,
                 PREC,
-                HEAD_DIM == D_PAD,
+                BLOCK_M,
+                D_PAD,
             )
-            q_ptrs += BLOCK_M * sqs
-            do_ptrs += BLOCK_M * sdos
             lse_ptrs += BLOCK_M * sls
             delta_ptrs += BLOCK_M * ses
 
@@ -283,28 +286,29 @@ def _dq_step(
     do,
     lse,
     delta,
-    k_ptrs,
-    v_ptrs,
+    desc_k,
+    desc_v,
+    b,
+    hk,
     start_n,
     offs_m,
     offs_n,
-    mask_d,
     Lk,
     shift,
     qk_scale,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     """Add one key block's contribution to a query block's dq."""
-    n_ok = (start_n + offs_n) < Lk
-    k = load_tile(k_ptrs, n_ok, mask_d, MASK, EVEN_D)
-    v = load_tile(v_ptrs, n_ok, mask_d, MASK, EVEN_D)
+    k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
+    v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK:
-        keep = n_ok[None, :]
+        keep = (start_n + offs_n)[None, :] < Lk
         if CAUSAL:
             keep = keep & ((start_n + offs_n)[None, :] <= offs_m[:, None] + shift)
         p = tl.where(keep, p, 0.0)
@@ -395,8 +399,15 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
     full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
-    k_ptrs = K + b * skb + hk.to(tl.int64) * skh + offs_n[:, None] * sks + offs_d[None, :] * skd
-    v_ptrs = V + b * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svs + offs_d[None, :] * svd
+    n_b = tl.num_programs(2)
+    n_hk = tl.num_programs(1) // group
+    desc_k = tl.make_tensor_descriptor(
+        K, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[skb, sks, skh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
+    )
+    desc_v = tl.make_tensor_descriptor(
+        V, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[svb, svs, svh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
+    )
+    b32 = tl.program_id(2)
     for start_n in range(0, full_hi, BLOCK_N):
         dq = _dq_step(
             dq,
@@ -404,22 +415,22 @@ def _attn_bwd_dq(
             do,
             lse,
             delta,
-            k_ptrs,
-            v_ptrs,
+            desc_k,
+            desc_v,
+            b32,
+            hk,
             start_n,
             offs_m,
             offs_n,
-            mask_d,
             Lk,
             shift,
             qk_scale,
             False,
             CAUSAL,
             PREC,
-            HEAD_DIM == D_PAD,
+            BLOCK_N,
+            D_PAD,
         )
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(
             dq,
@@ -427,22 +438,22 @@ def _attn_bwd_dq(
             do,
             lse,
             delta,
-            k_ptrs,
-            v_ptrs,
+            desc_k,
+            desc_v,
+            b32,
+            hk,
             start_n,
             offs_m,
             offs_n,
-            mask_d,
             Lk,
             shift,
             qk_scale,
             True,
             CAUSAL,
             PREC,
-            HEAD_DIM == D_PAD,
+            BLOCK_N,
+            D_PAD,
         )
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
 
     dq = dq * scale
     dq_ptrs = DQ + b * sdqb + h * sdqh + row * sdqs + offs_d[None, :] * sdqd

@@ -60,21 +60,6 @@ def key_ranges(m0, Lq, Lk, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
     return full_hi, hi
 
 
-@triton.jit
-def load_tile(ptrs, row_ok, mask_d, ROW_MASK: tl.constexpr, EVEN_D: tl.constexpr):
-    """Load a [rows, D_PAD] tile; masks only where needed so interior loads stay unmasked."""
-    if ROW_MASK:
-        if EVEN_D:
-            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-        else:
-            return tl.load(ptrs, mask=row_ok[:, None] & mask_d, other=0.0)
-    else:
-        if EVEN_D:
-            return tl.load(ptrs)
-        else:
-            return tl.load(ptrs, mask=mask_d, other=0.0)
-
-
 def tune_bench(fn, quantiles=None):
     """Short timing for the autotuner (its default spends ~125 ms per config)."""
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)

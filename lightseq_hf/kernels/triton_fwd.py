@@ -10,11 +10,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, load_tile, tune_bench
+from .triton_common import configs, key_ranges, tune_bench
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
-    [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
     interp=(32, 16),
 )
 
@@ -25,27 +25,28 @@ def _fwd_step(
     m_i,
     l_i,
     q,
-    k_ptrs,
-    v_ptrs,
+    desc_k,
+    desc_v,
+    b,
+    hk,
     start_n,
     offs_m,
     offs_n,
-    kv_mask_d,
     Lk,
     shift,
     qk_scale,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
     PREC: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
-    """One key block of the online softmax (log2 domain)."""
-    n_ok = (start_n + offs_n) < Lk
-    k = load_tile(k_ptrs, n_ok, kv_mask_d, MASK, EVEN_D)
-    v = load_tile(v_ptrs, n_ok, kv_mask_d, MASK, EVEN_D)
+    """One key block of the online softmax (log2 domain); K/V tiles come by TMA (zero past the edges)."""
+    k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
+    v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if MASK:
-        keep = n_ok[None, :]
+        keep = (start_n + offs_n)[None, :] < Lk
         if CAUSAL:
             keep = keep & ((start_n + offs_n)[None, :] <= offs_m[:, None] + shift)
         qk = tl.where(keep, qk, float("-inf"))
@@ -145,54 +146,59 @@ def _attn_fwd(
 
     full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
 
-    k_base = K + b * skb + hk.to(tl.int64) * skh
-    v_base = V + b * svb + hk.to(tl.int64) * svh
-    k_ptrs = k_base + offs_n[:, None] * sks + offs_d[None, :] * skd
-    v_ptrs = v_base + offs_n[:, None] * svs + offs_d[None, :] * svd
+    n_b = tl.num_programs(2)
+    n_hk = tl.num_programs(1) // group
+    desc_k = tl.make_tensor_descriptor(
+        K, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[skb, sks, skh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
+    )
+    desc_v = tl.make_tensor_descriptor(
+        V, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[svb, svs, svh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
+    )
+    b32 = tl.program_id(2)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(
             acc,
             m_i,
             l_i,
             q,
-            k_ptrs,
-            v_ptrs,
+            desc_k,
+            desc_v,
+            b32,
+            hk,
             start_n,
             offs_m,
             offs_n,
-            mask_d,
             Lk,
             shift,
             qk_scale,
             False,
             CAUSAL,
             PREC,
-            HEAD_DIM == D_PAD,
+            BLOCK_N,
+            D_PAD,
         )
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
     for start_n in range(full_hi, hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(
             acc,
             m_i,
             l_i,
             q,
-            k_ptrs,
-            v_ptrs,
+            desc_k,
+            desc_v,
+            b32,
+            hk,
             start_n,
             offs_m,
             offs_n,
-            mask_d,
             Lk,
             shift,
             qk_scale,
             True,
             CAUSAL,
             PREC,
-            HEAD_DIM == D_PAD,
+            BLOCK_N,
+            D_PAD,
         )
-        k_ptrs += BLOCK_N * sks
-        v_ptrs += BLOCK_N * svs
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
