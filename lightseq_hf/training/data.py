@@ -1,0 +1,221 @@
+"""Data: `datasets` loading, tokenization, packing, and the sequence/data-parallel sampler.
+
+Every rank of a sequence-parallel group must see the same full batch (the patch slices
+it), data-parallel groups must see disjoint samples, and an epoch visits every sample
+once: :class:`ParallelSampler` does this from ``(dp_rank, dp_size)`` alone, so the
+sequence-parallel ranks of a group, which share ``dp_rank``, draw identical indices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+IGNORE_INDEX = -100
+
+_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",
+            ".parquet": "parquet", ".csv": "csv"}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (ids 0..255) and an end-of-text id 256: no files needed."""
+
+    vocab_size = 257
+    eos_token_id = 256
+
+    def __call__(self, texts: str | list[str], **_: Any) -> dict[str, list]:
+        if isinstance(texts, str):
+            return {"input_ids": list(texts.encode("utf-8"))}
+        return {"input_ids": [list(t.encode("utf-8")) for t in texts]}
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def load_tokenizer(name: str | None, model_path: str | None = None) -> Any:
+    """``bytes`` -> :class:`ByteTokenizer`; a path -> ``AutoTokenizer``; None -> model_path's or None."""
+    if name == "bytes":
+        return ByteTokenizer()
+    path = name or model_path
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        if name is None:  # model directory without tokenizer files
+            return None
+        raise
+
+
+def detect_format(paths: Sequence[str], fmt: str = "auto") -> str:
+    """The `datasets` builder for local files: json (also jsonl), text, parquet or csv."""
+    if fmt != "auto":
+        return fmt
+    found = set()
+    for p in paths:
+        suffixes = [s for s in Path(p).suffixes if s not in (".gz", ".bz2", ".xz", ".zst")]
+        ext = suffixes[-1].lower() if suffixes else ""
+        if ext not in _FORMATS:
+            raise ValueError(f"data.paths: cannot tell the format of {p!r} from its extension; "
+                             "set data.format")
+        found.add(_FORMATS[ext])
+    if len(found) != 1:
+        raise ValueError(f"data.paths mix formats ({', '.join(sorted(found))}); use one format per run")
+    return found.pop()
+
+
+def load_raw_dataset(data_cfg: Any) -> Any:
+    """Load documents with `datasets`: local files (data.type files) or a hub name (data.type hub)."""
+    import datasets
+
+    if data_cfg.type == "files":
+        builder = detect_format(data_cfg.paths, data_cfg.format)
+        ds = datasets.load_dataset(builder, data_files=list(data_cfg.paths), split="train")
+    else:
+        ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=data_cfg.split)
+    if data_cfg.text_field not in ds.column_names:
+        raise ValueError(
+            f"data.text_field: column {data_cfg.text_field!r} not in the data (columns: "
+            f"{', '.join(ds.column_names)})"
+        )
+    if data_cfg.max_documents is not None:
+        ds = ds.select(range(min(data_cfg.max_documents, len(ds))))
+    return ds
+
+
+def pack_token_lists(docs: Iterable[Sequence[int]], context_length: int, eos_id: int | None = None,
+                     carry: list[int] | None = None) -> tuple[list[list[int]], list[int]]:
+    """Concatenate documents (each followed by ``eos_id`` when given) and cut ``context_length`` blocks.
+
+    Returns the full blocks and the leftover tokens (pass them back as ``carry`` to continue).
+    """
+    buf = list(carry or [])
+    blocks = []
+    for doc in docs:
+        buf.extend(doc)
+        if eos_id is not None:
+            buf.append(eos_id)
+        while len(buf) >= context_length:
+            blocks.append(buf[:context_length])
+            buf = buf[context_length:]
+    return blocks, buf
+
+
+def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: str = "text",
+                      add_eos: bool = True, num_proc: int | None = None,
+                      batch_docs: int = 1000) -> Any:
+    """Tokenize a `datasets` column and pack it into ``context_length`` blocks with labels.
+
+    Packing runs per map batch of ``batch_docs`` documents; each batch's tail shorter than a
+    block is dropped (as in Transformers' run_clm). Labels equal input_ids (HF convention).
+    """
+    eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
+
+    def tokenize(batch: dict) -> dict:
+        enc = tokenizer(batch[text_field], add_special_tokens=False) if not isinstance(
+            tokenizer, ByteTokenizer) else tokenizer(batch[text_field])
+        return {"ids": enc["input_ids"]}
+
+    def pack(batch: dict) -> dict:
+        blocks, _ = pack_token_lists(batch["ids"], context_length, eos)
+        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+
+    tok = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=num_proc,
+                 desc="tokenizing")
+    packed = tok.map(pack, batched=True, batch_size=batch_docs, remove_columns=["ids"],
+                     num_proc=num_proc, desc=f"packing into {context_length}-token sequences")
+    if len(packed) == 0:
+        raise ValueError(
+            f"the data holds fewer than context_length={context_length} tokens per packing batch; "
+            "add data or lower context_length"
+        )
+    packed.set_format("torch")
+    return packed
+
+
+def build_text_dataset(cfg: Any, tokenizer: Any, main_process_first: Callable | None = None) -> Any:
+    """Load, tokenize and pack the configured documents (the main process builds the cache first)."""
+    import contextlib
+
+    ctx = main_process_first() if main_process_first is not None else contextlib.nullcontext()
+    with ctx:
+        raw = load_raw_dataset(cfg.data)
+        return tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
+                                 cfg.data.add_eos, cfg.data.num_proc)
+
+
+class ParallelSampler(Sampler[int]):
+    """Indices for one data-parallel group: disjoint across groups, identical within one.
+
+    Each epoch shuffles ``range(num_samples)`` with ``seed + epoch``, tops it up to a
+    multiple of ``dp_size`` with its first entries (only when ``dp_size`` does not divide
+    ``num_samples``, as DistributedSampler does) and gives group ``dp_rank`` every
+    ``dp_size``-th index. ``start`` skips this group's first samples (resuming mid-epoch).
+    """
+
+    def __init__(self, num_samples: int, dp_size: int = 1, dp_rank: int = 0, shuffle: bool = True,
+                 seed: int = 0) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+        self.num_samples, self.dp_size, self.dp_rank = num_samples, dp_size, dp_rank
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch, self.start = 0, 0
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    @property
+    def per_group(self) -> int:
+        return math.ceil(self.num_samples / self.dp_size)
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=g).tolist()
+        else:
+            order = list(range(self.num_samples))
+        order += order[: self.per_group * self.dp_size - self.num_samples]
+        return order[self.dp_rank:: self.dp_size][self.start:]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices())
+
+    def __len__(self) -> int:
+        return self.per_group - self.start
+
+
+def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
+    """Stack equal-length samples into ``input_ids`` and ``labels`` of shape ``(B, N)``."""
+    ids = torch.stack([torch.as_tensor(s["input_ids"]) for s in samples])
+    labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]) if "labels" in samples[0] \
+        else ids.clone()
+    return {"input_ids": ids.long(), "labels": labels.long()}
+
+
+def build_train_dataset(cfg: Any, tokenizer: Any = None, main_process_first: Callable | None = None,
+                        vocab_size: int | None = None) -> Dataset:
+    """The training dataset the config names: the synthetic task or packed text."""
+    if cfg.data.type == "synthetic":
+        from .synthetic import PasskeyDataset
+
+        return PasskeyDataset(passkey_spec(cfg, vocab_size=vocab_size), cfg.data.synthetic.num_samples)
+    if tokenizer is None:
+        raise ValueError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
+    return build_text_dataset(cfg, tokenizer, main_process_first)
+
+
+def passkey_spec(cfg: Any, seed: int | None = None, vocab_size: int | None = None) -> Any:
+    """The PasskeySpec of a config (``seed`` overrides, e.g. a held-out evaluation seed)."""
+    from .synthetic import PasskeySpec
+
+    s = cfg.data.synthetic
+    vocab = vocab_size or (cfg.model.config or {}).get("vocab_size", 256)
+    return PasskeySpec(cfg.context_length, vocab, s.num_values, s.passkey_len, s.needle_max_frac,
+                       s.seed if seed is None else seed)

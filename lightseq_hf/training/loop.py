@@ -1,0 +1,433 @@
+"""The accelerate training loop for sequence-parallel fine-tuning.
+
+Every rank of a sequence-parallel group receives the same full batch and calls the
+patched model with it (the patch slices the sequence and returns the group's global
+token-mean loss); DDP (or FSDP, through the accelerate config) averages gradients over
+all ranks. Data-parallel groups get disjoint samples from :class:`ParallelSampler`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, FinetuneConfig, validate
+from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer, passkey_spec
+
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+               "B200": 2250.0}
+
+
+class TrainState:
+    """Progress counters, saved with the checkpoint (accelerate ``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+        self.samples_in_epoch = 0  # samples this data-parallel group consumed in the current epoch
+        self.tokens = 0  # tokens trained on, all data-parallel groups together
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def lr_lambda(cfg: FinetuneConfig, total_steps: int):
+    """Warmup then cosine, linear or constant decay to ``min_lr_ratio`` (multiplier of ``lr``)."""
+    t = cfg.training
+
+    def f(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+    return f
+
+
+def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torch.nn.Module:
+    """Load ``model.path`` or build ``model.config`` with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.model.dtype)
+    m = cfg.model
+    if m.path is not None:
+        hf_cfg = AutoConfig.from_pretrained(m.path)
+        if m.config:
+            hf_cfg.update({k: v for k, v in m.config.items() if k != "model_type"})
+        if not m.random_init:
+            return AutoModelForCausalLM.from_pretrained(m.path, config=hf_cfg, dtype=dtype)
+    else:
+        entries = dict(m.config)
+        hf_cfg = AutoConfig.for_model(entries.pop("model_type"), **entries)
+    ctx = torch.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+    with ctx:  # random init straight on the GPU: a 7B model initializes in seconds there
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+
+
+def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any) -> torch.nn.Module:
+    """Patch the model for sequence parallelism and set up checkpointing."""
+    import lightseq_hf
+
+    ckpt = cfg.training.checkpointing
+    model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
+                                    checkpointing="remat" if ckpt == "none" else ckpt)
+    if ckpt != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
+def model_flops_per_step(model_cfg: Any, n_params: int, seqs: int, seq_len: int) -> float:
+    """Model FLOPs of one training step (no recompute): 6 * params * tokens + causal attention.
+
+    Attention: forward 2 * B * H * N^2 * D per layer (causal half of 4 B H N^2 D), forward plus
+    backward 3.5x that.
+    """
+    heads = model_cfg.num_attention_heads
+    head_dim = getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // heads
+    attn = 3.5 * 2 * seqs * heads * seq_len**2 * head_dim * model_cfg.num_hidden_layers
+    return 6.0 * n_params * seqs * seq_len + attn
+
+
+def _peak_tflops(cfg: FinetuneConfig, device: torch.device) -> float | None:
+    if cfg.logging.peak_tflops is not None:
+        return cfg.logging.peak_tflops
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def find_latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The ``checkpoint-<step>`` directory with the highest step under ``output_dir``."""
+    found = []
+    for p in Path(output_dir).glob("checkpoint-*"):
+        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+        if m and (p / "state").is_dir():
+            found.append((int(m.group(1)), p))
+    return max(found)[1] if found else None
+
+
+class _Writer:
+    """Metrics as JSON lines (main process only)."""
+
+    def __init__(self, path: Path | None, keep_until_step: int | None) -> None:
+        self.path = path
+        if path is None:
+            return
+        kept = []
+        if keep_until_step is not None and path.exists():  # resuming into the same directory
+            for line in path.read_text().splitlines():
+                rec = json.loads(line)
+                if rec.get("step", 0) <= keep_until_step:
+                    kept.append(line)
+        path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def plot_metrics(metrics_path: Path, png_path: Path, title: str = "") -> None:
+    """Loss curve (and retrieval accuracy with its chance level, when logged) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    train = [r for r in recs if r.get("kind") == "train"]
+    evals = [r for r in recs if r.get("kind") == "eval"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], color="tab:blue", lw=1,
+            label="train loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss", color="tab:blue")
+    if evals:
+        ax2 = ax.twinx()
+        ax2.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "o-", color="tab:red",
+                 label="retrieval accuracy")
+        ax2.axhline(evals[-1]["chance"], color="tab:red", ls="--", lw=1, label="chance")
+        ax2.set_ylim(0, 1.02)
+        ax2.set_ylabel("retrieval accuracy (held-out)", color="tab:red")
+        ax2.legend(loc="center right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: int, groups: Any,
+                     device: torch.device, batch_size: int) -> dict:
+    """Retrieval accuracy on held-out passkey samples (greedy prediction of each answer token).
+
+    Data-parallel groups split the samples; each rank scores the answer positions inside its
+    own slice of the sequence; counts are summed over all ranks.
+    """
+    from .synthetic import PasskeyDataset, answer_accuracy
+
+    spec = passkey_spec(cfg, seed=cfg.data.synthetic.seed + 1_000_000, vocab_size=vocab_size)
+    n_eval = cfg.data.synthetic.eval_samples
+    ds = PasskeyDataset(spec, n_eval)
+    mine = list(range(groups.dp_rank, n_eval, groups.dp_size))
+    n = cfg.context_length
+    local = n // groups.sp_size
+    start = groups.sp_rank * local
+    counts = torch.zeros(4, dtype=torch.float64)
+    was_training = model.training
+    model.eval()
+    for i in range(0, max(len(mine), 1), batch_size):
+        idx = mine[i: i + batch_size] or [0]  # groups with no sample left run a dummy to stay in step
+        batch = collate([ds[j] for j in idx])
+        out = model(input_ids=batch["input_ids"].to(device))
+        logits = out.logits
+        if logits.shape[1] == n:  # unsliced output (sp_size 1)
+            logits = logits[:, start: start + local]
+        pred = logits.argmax(-1).cpu()  # pred[:, i] predicts token start + i + 1
+        targets = batch["labels"][:, start + 1: start + local + 1]
+        pred = pred[:, : targets.shape[1]]
+        if mine[i: i + batch_size]:
+            counts += torch.tensor(answer_accuracy(pred, targets), dtype=torch.float64)
+    model.train(was_training)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts)
+    tc, tt, kc, kt = counts.tolist()
+    return {"accuracy": tc / max(tt, 1), "key_accuracy": kc / max(kt, 1), "chance": spec.chance,
+            "eval_samples": n_eval, "answer_tokens": int(tt)}
+
+
+def train(cfg: FinetuneConfig) -> dict:
+    """Run the fine-tune the config describes; return the summary (also written to summary.json)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    t = cfg.training
+    use_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
+    if t.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device is 'cuda' but no CUDA device is available")
+    accelerator = Accelerator(cpu=use_cpu, mixed_precision=t.mixed_precision)
+    world = accelerator.num_processes
+    validate(cfg, world_size=world)
+    set_seed(t.seed)  # the same initial weights on every rank
+
+    from ..parallel.groups import init_sequence_parallel
+
+    groups = init_sequence_parallel(cfg.sp_size or world)
+    out_dir = Path(cfg.output_dir)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    device = accelerator.device
+
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
+    model = build_model(cfg, device)
+    vocab_size = model.config.vocab_size
+    model = apply_patch(model, cfg, groups.sp_group)
+    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+    dataset = build_train_dataset(cfg, tokenizer, accelerator.main_process_first, vocab_size=vocab_size)
+    sampler = ParallelSampler(len(dataset), groups.dp_size, groups.dp_rank, shuffle=True, seed=t.seed)
+    micro_per_epoch = math.ceil(sampler.per_group / t.batch_size)
+    steps_per_epoch = math.ceil(micro_per_epoch / t.grad_accum)
+    total_steps = t.max_steps if t.max_steps is not None else steps_per_epoch * t.epochs
+
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr, betas=tuple(t.betas), fused=False,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = TrainState()
+    accelerator.register_for_checkpointing(scheduler, state)
+
+    resume = cfg.saving.resume_from
+    if resume == "latest":
+        resume = find_latest_checkpoint(out_dir)
+    if resume is not None:
+        accelerator.load_state(str(Path(resume) / "state"))
+    writer = _Writer(out_dir / cfg.logging.metrics_file if accelerator.is_main_process else None,
+                     state.step if resume is not None else None)
+
+    seqs_per_step = t.batch_size * t.grad_accum * groups.dp_size
+    tokens_per_step = seqs_per_step * cfg.context_length
+    flops_per_step = model_flops_per_step(accelerator.unwrap_model(model).config, n_params, seqs_per_step,
+                                          cfg.context_length)
+    peak = _peak_tflops(cfg, device)
+    is_synthetic = cfg.data.type == "synthetic"
+    if accelerator.is_main_process:
+        print(f"[lightseq] world {world} = {groups.dp_size} data-parallel x {groups.sp_size} "
+              f"sequence-parallel; context {cfg.context_length} ({cfg.context_length // groups.sp_size} "
+              f"tokens per rank); {n_params / 1e6:.2f}M non-embedding parameters; {total_steps} steps; "
+              f"device {device}", flush=True)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total_steps, initial=state.step, disable=not (accelerator.is_main_process and
+               cfg.logging.progress_bar), desc="fine-tune", dynamic_ncols=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    last_eval: dict = {}
+    t_start = time.perf_counter()
+    train_time = 0.0
+    last_loss = float("nan")
+
+    def run_eval() -> dict:
+        res = evaluate_passkey(model, cfg, vocab_size, groups, device, t.batch_size)
+        res.update(kind="eval", step=state.step)
+        writer.write(res)
+        return res
+
+    model.train()
+    done = state.step >= total_steps
+    while not done:
+        sampler.set_epoch(state.epoch, start=state.samples_in_epoch)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=t.batch_size, sampler=sampler,
+                                             collate_fn=collate, num_workers=0)
+        it = iter(loader)
+        while True:
+            batches = []
+            for _ in range(t.grad_accum):
+                b = next(it, None)
+                if b is None:
+                    break
+                batches.append(b)
+            if not batches:
+                break
+            tic = time.perf_counter()
+            loss_sum = torch.zeros((), device=device)
+            for i, batch in enumerate(batches):
+                sync = i == len(batches) - 1
+                ctx = contextlib.nullcontext() if sync else accelerator.no_sync(model)
+                with ctx:
+                    out = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device))
+                    accelerator.backward(out.loss / len(batches))
+                loss_sum += out.loss.detach().float()
+            grad_norm = None
+            if t.max_grad_norm is not None:
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss = accelerator.reduce(loss_sum / len(batches), reduction="mean").item()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dt = time.perf_counter() - tic
+            train_time += dt
+            state.step += 1
+            state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches)
+            state.tokens += tokens_per_step
+            last_loss = loss
+            rec = {"kind": "train", "step": state.step, "epoch": state.epoch, "loss": loss,
+                   "lr": scheduler.get_last_lr()[0], "step_time_s": dt, "tokens": state.tokens,
+                   "tokens_per_s": tokens_per_step / dt, "elapsed_s": time.perf_counter() - t_start}
+            if grad_norm is not None:
+                rec["grad_norm"] = float(grad_norm)
+            tflops = flops_per_step / dt / world / 1e12
+            if device.type == "cuda":
+                rec["tflops_per_gpu"] = tflops
+                if peak:
+                    rec["mfu"] = tflops / peak
+                mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+                rec["peak_mem_gib_per_rank"] = [round(float(x), 2) for x in accelerator.gather(mem).cpu()]
+            if state.step % cfg.logging.every == 0 or state.step == total_steps:
+                writer.write(rec)
+            post = {"loss": f"{loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+            if "mfu" in rec:
+                post["mfu"] = f"{rec['mfu']:.1%}"
+            if last_eval:
+                post["acc"] = f"{last_eval['accuracy']:.2f}"
+            bar.set_postfix(post)
+            bar.update(1)
+            if is_synthetic and cfg.logging.eval_every and state.step % cfg.logging.eval_every == 0 \
+                    and state.step < total_steps:
+                last_eval = run_eval()
+                bar.set_postfix({**post, "acc": f"{last_eval['accuracy']:.2f}"})
+            if cfg.saving.every and state.step % cfg.saving.every == 0 and state.step < total_steps:
+                save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+            if state.step >= total_steps:
+                done = True
+                break
+        if not done:
+            state.epoch += 1
+            state.samples_in_epoch = 0
+            if t.max_steps is None and state.epoch >= t.epochs:
+                done = True
+    bar.close()
+    if is_synthetic and cfg.data.synthetic.eval_samples:
+        last_eval = run_eval()
+    ckpt = None
+    if cfg.saving.final:
+        ckpt = save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+    wall = time.perf_counter() - t_start
+    summary = {
+        "steps": state.step, "final_loss": last_loss, "wall_s": wall, "train_s": train_time,
+        "tokens": state.tokens, "world_size": world, "sp_size": groups.sp_size, "dp_size": groups.dp_size,
+        "context_length": cfg.context_length, "device": _device_name(device), "date":
+        datetime.date.today().isoformat(), "checkpoint": str(ckpt) if ckpt else None,
+        "torch": torch.__version__, "host": platform.node(),
+    }
+    if last_eval:
+        summary.update({f"eval_{k}": v for k, v in last_eval.items() if k not in ("kind",)})
+    if accelerator.is_main_process:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if cfg.logging.plot:
+            plot_metrics(out_dir / cfg.logging.metrics_file, out_dir / "loss.png",
+                         f"{cfg.context_length} tokens, sp {groups.sp_size} x dp {groups.dp_size}")
+        msg = f"[lightseq] done: {state.step} steps in {wall:.0f}s, loss {last_loss:.3f}"
+        if last_eval:
+            msg += (f", retrieval accuracy {last_eval['accuracy']:.3f} (chance {last_eval['chance']:.3f},"
+                    f" {last_eval['eval_samples']} held-out samples)")
+        print(msg + f"; outputs in {out_dir}", flush=True)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
+                    state: TrainState, out_dir: Path) -> Path:
+    """``checkpoint-<step>/``: save_pretrained model (+ tokenizer) and, under ``state/``, everything
+    needed to resume (weights, optimizer, scheduler, counters, RNG states of every rank)."""
+    path = out_dir / f"checkpoint-{state.step}"
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(path)
+    if cfg.saving.save_optimizer:
+        accelerator.save_state(str(path / "state"))
+    accelerator.wait_for_everyone()
+    return path

@@ -1,0 +1,106 @@
+"""Fine-tuning config: YAML loading, dotted overrides, and validation errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lightseq_hf.training.config import ConfigError, config_from_dict, load_config, parse_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def base() -> dict:
+    return {
+        "context_length": 4096,
+        "sp_size": 2,
+        "model": {"config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64}},
+        "training": {"max_steps": 10},
+    }
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_validate(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.context_length % (cfg.sp_size or 1) == 0
+
+
+def test_overrides_apply_with_yaml_types(tmp_path: Path) -> None:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(base()))
+    cfg = load_config(p, ["training.max_steps=3", "training.lr=1e-4", "output_dir=/tmp/x",
+                          "logging.plot=false", "sp_size=null", "training.betas=[0.8, 0.9]",
+                          "model.config.num_hidden_layers=3"])
+    assert cfg.training.max_steps == 3 and cfg.training.lr == pytest.approx(1e-4)
+    assert cfg.output_dir == "/tmp/x" and cfg.logging.plot is False and cfg.sp_size is None
+    assert cfg.training.betas == [0.8, 0.9]
+    assert cfg.model.config["num_hidden_layers"] == 3
+    assert parse_overrides(["a.b=1", "c=hello"]) == [("a.b", 1), ("c", "hello")]
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["training.bogus=1"], "training.bogus"),
+        (["bogus=1"], "bogus"),
+        (["data.synthetic.nope=1"], "data.synthetic.nope"),
+        (["context_length=4097"], "context_length"),
+        (["training.lr=fast"], "training.lr"),
+        (["training.max_steps=0"], "training.max_steps"),
+        (["training.checkpointing=sometimes"], "training.checkpointing"),
+        (["training.backend=cuda"], "training.backend"),
+        (["model.path=/no/such/model"], "model.path"),
+        (["tokenizer=/no/such/tokenizer"], "tokenizer"),
+        (["data.type=files", "data.paths=[/no/such/file.jsonl]", "tokenizer=bytes"], "data.paths[0]"),
+        (["data.type=files"], "data.paths"),
+        (["saving.resume_from=/no/such/checkpoint"], "saving.resume_from"),
+        (["logging.plot=maybe"], "logging.plot"),
+        (["training=3"], "training"),
+        (["model.config.vocab_size=10"], "model.config.vocab_size"),
+    ],
+)
+def test_validation_errors_name_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        config_from_dict(base(), overrides)
+    assert key in str(e.value), str(e.value)
+
+
+def test_sp_size_must_divide_world() -> None:
+    config_from_dict(base(), world_size=4)
+    with pytest.raises(ConfigError, match="sp_size 2 does not divide the world size 3"):
+        config_from_dict(base(), world_size=3)
+    with pytest.raises(ConfigError, match="context_length 4096 is not divisible by sp_size 3"):
+        config_from_dict(base(), ["sp_size=null"], world_size=3)
+
+
+def test_missing_model_and_bad_override_syntax(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model"):
+        config_from_dict({"context_length": 128})
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        config_from_dict(base(), ["training.max_steps"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_relative_paths_resolve_against_the_config(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.jsonl").write_text('{"text": "hi"}\n')
+    cfg_dir = tmp_path / "configs"
+    cfg_dir.mkdir()
+    d = base() | {"tokenizer": "bytes", "data": {"type": "files", "paths": ["data/a.jsonl"]}}
+    (cfg_dir / "c.yaml").write_text(yaml.safe_dump(d))
+    cfg = load_config(cfg_dir / "c.yaml")
+    assert Path(cfg.data.paths[0]).is_file()
+
+
+def test_cli_reports_config_errors(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    from lightseq_hf.training.cli import main
+
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(base()))
+    assert main([str(p), "training.nope=1"]) == 2
+    assert "training.nope" in capsys.readouterr().err
+    assert main([str(p), "--print-config"]) == 0
