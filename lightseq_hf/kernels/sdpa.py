@@ -86,8 +86,22 @@ class SdpaKernel:
         empty = torch.empty(0, device=q.device)
         if self.flavor == "cudnn":
             grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dot, qt, kt, vt, ot, lse.unsqueeze(-1), empty, empty, None, empty, empty,
-                lq, k.shape[1], 0.0, causal, scale=scale,
+                dot,
+                qt,
+                kt,
+                vt,
+                ot,
+                lse.unsqueeze(-1),
+                empty,
+                empty,
+                None,
+                empty,
+                empty,
+                lq,
+                k.shape[1],
+                0.0,
+                causal,
+                scale=scale,
             )
         else:
             grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
