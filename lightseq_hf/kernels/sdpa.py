@@ -66,6 +66,7 @@ class SdpaKernel:
         h = q.shape[2]
         res = self._call_forward(q, self._expand(k, h), self._expand(v, h), causal, scale)
         chunk_out = res[0].transpose(1, 2)
+        self._lse_ndim = res[1].dim()  # cuDNN may return (b, h, s, 1); its backward wants the same
         chunk_lse = res[1].reshape(q.shape[0], h, q.shape[1]).float()
         if out is None:
             return chunk_out, chunk_lse
@@ -85,18 +86,20 @@ class SdpaKernel:
         lse = lse.float().contiguous()
         empty = torch.empty(0, device=q.device)
         if self.flavor == "cudnn":
+            # None stands for the undefined tensors the forward returns (no bias, not nested).
+            stats = lse.unsqueeze(-1) if getattr(self, "_lse_ndim", 4) == 4 else lse
             grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
                 dot,
                 qt,
                 kt,
                 vt,
                 ot,
-                lse.unsqueeze(-1),
+                stats,
                 empty,
                 empty,
                 None,
-                empty,
-                empty,
+                None,
+                None,
                 lq,
                 k.shape[1],
                 0.0,
