@@ -230,6 +230,8 @@ def main() -> None:
 
     def record(row):
         rows.append(row)
+        cudnn = lightseq_hf.kernels._cache.get("sdpa_cudnn")
+        meta["cudnn_backward_fell_back_to_flash"] = getattr(cudnn, "_cudnn_backward_failed", None)
         if rank == 0:
             print(json.dumps(row), flush=True)
             result = {**meta, "rows": rows, "summary": summarize(rows, world)}

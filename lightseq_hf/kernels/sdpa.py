@@ -9,6 +9,8 @@ of one call (the ``triton`` backend reads them in place).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .base import check_qkv
@@ -27,6 +29,7 @@ class SdpaKernel:
             raise ValueError(f"unknown SDPA flavor {flavor!r}; choose one of {', '.join(FLAVORS)}.")
         self.flavor = flavor
         self.name = f"sdpa_{flavor}"
+        self._cudnn_backward_failed = False
 
     @staticmethod
     def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
@@ -75,6 +78,14 @@ class SdpaKernel:
         merge_into(out, lse, chunk_out, chunk_lse)
         return out, lse
 
+    def _cudnn_backward(self, dot, qt, kt, vt, ot, lse, lq, lk, causal, scale):
+        empty = torch.empty(0, device=qt.device)
+        # None stands for the undefined tensors the forward returns (no bias, not nested).
+        stats = lse.unsqueeze(-1) if getattr(self, "_lse_ndim", 4) == 4 else lse
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, stats, empty, empty, None, None, None, lq, lk, 0.0, causal, scale=scale
+        )
+
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None):
         self._check(q, k, v, causal)
         if out is None:
@@ -85,28 +96,14 @@ class SdpaKernel:
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, ke, ve, out.to(q.dtype), dout.to(q.dtype)))
         lse = lse.float().contiguous()
         empty = torch.empty(0, device=q.device)
-        if self.flavor == "cudnn":
-            # None stands for the undefined tensors the forward returns (no bias, not nested).
-            stats = lse.unsqueeze(-1) if getattr(self, "_lse_ndim", 4) == 4 else lse
-            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-                dot,
-                qt,
-                kt,
-                vt,
-                ot,
-                stats,
-                empty,
-                empty,
-                None,
-                None,
-                None,
-                lq,
-                k.shape[1],
-                0.0,
-                causal,
-                scale=scale,
-            )
-        else:
+        if self.flavor == "cudnn" and not self._cudnn_backward_failed:
+            try:
+                grads = self._cudnn_backward(dot, qt, kt, vt, ot, lse, lq, k.shape[1], causal, scale)
+            except (RuntimeError, TypeError) as err:  # an aten signature this torch does not take
+                warnings.warn(f"cuDNN attention backward failed ({err}); using the flash backward, "
+                              "which takes the same out and lse.", stacklevel=2)
+                self._cudnn_backward_failed = True
+        if self.flavor == "flash" or self._cudnn_backward_failed:
             grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dot, qt, kt, vt, ot, lse, empty, empty, lq, k.shape[1], 0.0, causal, empty, empty, scale=scale
             )
