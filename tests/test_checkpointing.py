@@ -1,0 +1,112 @@
+"""Rematerialization-aware checkpointing on one process (the 2- and 3-process counts are in
+test_patch_llama.py): routing through both enable methods, attention-forward counts, identical gradients."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _unpatch():
+    yield
+    import lightseq_hf
+
+    lightseq_hf.unpatch_llama()
+
+
+def _step(model, ids):
+    from tiny_models import loss_and_grads
+
+    from lightseq_hf.parallel import ops
+
+    before = dict(ops.call_counts)
+    loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=ids)
+    return loss, grads, {k: ops.call_counts[k] - before[k] for k in before}
+
+
+def test_policy_saves_only_the_distributed_attention():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lightseq_hf.checkpoint import remat_policy
+
+    assert remat_policy(None, torch.ops.lightseq_hf.dist_attn_fwd.default) is CheckpointPolicy.MUST_SAVE
+    others = (torch.ops.aten.mm.default, torch.ops.aten.mul.Tensor,
+              torch.ops.lightseq_hf.dist_attn_bwd.default)
+    for op in others:
+        assert remat_policy(None, op) is CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def test_remat_checkpoint_runs_attention_once():
+    import lightseq_hf
+    from lightseq_hf.checkpoint import remat_checkpoint
+    from lightseq_hf.parallel import ops
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 8, generator=g, requires_grad=True) for _ in range(3))
+
+    def block(q, k, v):
+        return (lightseq_hf.dist_flash_attn(q.sin(), k, v) * 2).exp().sum()
+
+    plain = torch.autograd.grad(block(q, k, v), (q, k, v))
+    before = ops.call_counts["forward"]
+    remat = torch.autograd.grad(remat_checkpoint(block, q, k, v), (q, k, v))
+    assert ops.call_counts["forward"] - before == 1
+    before = ops.call_counts["forward"]
+    torch.autograd.grad(torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False), (q, k, v))
+    assert ops.call_counts["forward"] - before == 2
+    for a, b in zip(plain, remat):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("enable", ["activation_checkpointing_enable", "gradient_checkpointing_enable"])
+def test_enable_methods_route_to_remat(enable):
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+
+    layers = 3
+    ids, _ = make_batch(2, 40, seed=1)
+    lightseq_hf.patch_llama()  # classes first: the model is built afterwards
+    model = make_model("llama", layers=layers)
+    loss0, grads0, calls0 = _step(model, ids)
+    assert calls0 == {"forward": layers, "backward": layers}
+    if not hasattr(model, enable):
+        pytest.skip(f"this transformers has no {enable}")
+    deprecated = enable == "gradient_checkpointing_enable"
+    with pytest.warns(FutureWarning) if deprecated else contextlib.nullcontext():
+        getattr(model, enable)()
+    loss1, grads1, calls1 = _step(model, ids)
+    assert calls1 == {"forward": layers, "backward": layers}  # once per layer per step
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads1[name]), name
+    lightseq_hf.patch_llama(model, checkpointing="hf")  # HF's layer checkpointing, for comparison
+    loss2, grads2, calls2 = _step(model, ids)
+    assert calls2 == {"forward": 2 * layers, "backward": layers}
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads2[name]), name
+    lightseq_hf.patch_llama(model, checkpointing="remat")
+    assert _step(model, ids)[2] == {"forward": layers, "backward": layers}
+
+
+def test_enabled_before_patching_and_unpatch_restores():
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+
+    ids, _ = make_batch(1, 24, seed=2)
+    model = make_model("qwen2")
+    model.activation_checkpointing_enable()
+    hf_funcs = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+                if hasattr(m, "_gradient_checkpointing_func")}
+    lightseq_hf.patch_model(model)
+    assert _step(model, ids)[2] == {"forward": 2, "backward": 2}
+    lightseq_hf.unpatch_llama()
+    for name, module in model.named_modules():
+        if name in hf_funcs:
+            assert module._gradient_checkpointing_func is hf_funcs[name]
+    assert model.config._attn_implementation == "eager"
+    assert _step(model, ids)[2] == {"forward": 0, "backward": 0}  # HF's own attention again

@@ -1,0 +1,167 @@
+"""patch_llama on 2 and 3 gloo processes against the unpatched model on one process (full sequence).
+
+For every case: the loss (relative error <= 1e-5) and every parameter's gradient (<= 1e-4, after
+the data-parallel average over the group that DDP would do), with checkpointing off, "remat" and
+"hf"; the attention-forward op count (once per layer per step, twice under "hf"); the logits of
+forward-only use; and each bad input's ValueError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import rel_err, run_distributed
+
+#: (architecture, batch, length, ignored label prefix, num_items_in_batch)
+CASES = {
+    2: [("llama", 2, 37, 3, None), ("llama", 1, 32, 0, 50), ("mistral", 2, 21, 0, None),
+        ("qwen2", 1, 30, 5, None), ("qwen3", 2, 19, 0, None)],
+    3: [("llama", 2, 37, 3, None), ("qwen2", 1, 30, 0, 17)],
+}
+MODES = ("off", "remat", "hf")
+LAYERS = 2
+
+
+def _average(grads, world):
+    import torch.distributed as dist
+
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= world
+    return grads
+
+
+def worker_exactness(rank, world):
+    from tiny_models import loss_and_grads, make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.parallel import ops
+    from lightseq_hf.parallel.sharding import shard_for
+
+    failures = []
+    refs = []
+    for i, (arch, batch, seq, prefix, items) in enumerate(CASES[world]):  # references, unpatched
+        ids, labels = make_batch(batch, seq, seed=10 + i, ignore_prefix=prefix)
+        model = make_model(arch, layers=LAYERS, seed=i)
+        extra = {} if items is None else {"num_items_in_batch": items}
+        loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels, **extra)
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        refs.append((ids, labels, extra, loss, grads, logits))
+
+    lightseq_hf.patch_llama()
+    for i, (arch, batch, seq, _, items) in enumerate(CASES[world]):
+        ids, labels, extra, ref_loss, ref_grads, ref_logits = refs[i]
+        for mode in MODES:
+            tag = f"{arch} batch {batch} length {seq} items {items} checkpointing {mode}"
+            model = make_model(arch, layers=LAYERS, seed=i)
+            lightseq_hf.patch_llama(model, checkpointing="hf" if mode == "off" else mode)
+            if mode != "off":
+                model.activation_checkpointing_enable()
+            before = dict(ops.call_counts)
+            mask = torch.ones_like(ids) if i == 0 else None  # an all-ones mask is accepted
+            loss, grads, logits = loss_and_grads(model, input_ids=ids, labels=labels, attention_mask=mask,
+                                                 **extra)
+            calls = {k: ops.call_counts[k] - before[k] for k in before}
+            grads = _average(grads, world)
+            if logits is not None:
+                failures.append(f"{tag}: training with labels should return logits=None")
+            if rel_err(loss, ref_loss) > 1e-5:
+                failures.append(f"{tag}: loss {loss.item()} vs {ref_loss.item()}")
+            if set(grads) != set(ref_grads):
+                failures.append(f"{tag}: gradients of {sorted(set(ref_grads) ^ set(grads))} missing")
+            worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
+            if worst[0] > 1e-4:
+                failures.append(f"{tag}: gradient of {worst[1]} rel err {worst[0]:.2e}")
+            want = LAYERS * (2 if mode == "hf" else 1)
+            if calls != {"forward": want, "backward": LAYERS}:
+                failures.append(f"{tag}: attention op calls {calls}, want forward {want}, backward {LAYERS}")
+        # forward-only: this rank's slice of the logits, without the padding
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        shard = shard_for(seq, rank, world)
+        want = ref_logits[:, shard.start:shard.real_end]
+        if logits.shape != want.shape or rel_err(logits, want) > 1e-5:
+            failures.append(f"{arch} length {seq}: eval logits {tuple(logits.shape)} err "
+                            f"{rel_err(logits, want) if logits.shape == want.shape else 'shape'}")
+    failures += _bad_inputs(rank, world)
+    lightseq_hf.unpatch_llama()
+    return failures
+
+
+def _expect(failures, what, needle, fn):
+    try:
+        fn()
+    except ValueError as exc:
+        if needle not in str(exc):
+            failures.append(f"{what}: ValueError without {needle!r}: {exc}")
+        return
+    except Exception as exc:  # noqa: BLE001
+        failures.append(f"{what}: {type(exc).__name__} instead of ValueError: {exc}")
+        return
+    failures.append(f"{what}: no error")
+
+
+def _bad_inputs(rank, world):
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.parallel import init_sequence_parallel
+
+    failures = []
+    ids, labels = make_batch(2, 24, seed=3)
+    model = lightseq_hf.patch_llama(make_model("llama"))
+    padded = torch.ones_like(ids)
+    padded[0, -4:] = 0
+    _expect(failures, "padding mask", "attention_mask contains zeros",
+            lambda: model(input_ids=ids, labels=labels, attention_mask=padded))
+    _expect(failures, "4-D mask", "attention_mask",
+            lambda: model(input_ids=ids, attention_mask=torch.ones(2, 1, 24, 24)))
+    packed = torch.cat([torch.arange(12), torch.arange(12)]).unsqueeze(0)
+    _expect(failures, "packed position_ids", "packed sequences",
+            lambda: model(input_ids=ids, labels=labels, position_ids=packed))
+    other = ids if rank == 0 else (ids + 1) % 128
+    _expect(failures, "different batches on the ranks", "received different batches",
+            lambda: model(input_ids=other, labels=labels))
+    shorter = ids if rank == 0 else ids[:, :20]
+    _expect(failures, "different lengths on the ranks", "received different batches",
+            lambda: model(input_ids=shorter))
+    _expect(failures, "labels of another length", "expected length",
+            lambda: model(input_ids=ids, labels=labels[:, :20]))
+    _expect(failures, "unknown checkpointing", "checkpointing='layers'",
+            lambda: lightseq_hf.patch_llama(model, checkpointing="layers"))
+    _expect(failures, "unknown backend", "unknown backend",
+            lambda: lightseq_hf.patch_llama(model, backend="cuda-magic"))
+    _expect(failures, "bad sp_group", "sp_group must be",
+            lambda: lightseq_hf.patch_llama(model, sp_group=2))
+
+    import transformers
+
+    gpt2_config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    gpt2 = transformers.GPT2LMHeadModel(gpt2_config)
+    _expect(failures, "unsupported architecture", "cannot patch GPT2LMHeadModel",
+            lambda: lightseq_hf.patch_llama(gpt2))
+    window = lightseq_hf.patch_llama(make_model("mistral", sliding_window=16))
+    _expect(failures, "sliding window shorter than the sequence", "sliding-window",
+            lambda: window(input_ids=ids, labels=labels))
+    dropout = lightseq_hf.patch_llama(make_model("llama", attention_dropout=0.1))
+    dropout.train()
+    _expect(failures, "attention dropout", "attention dropout",
+            lambda: dropout(input_ids=ids, labels=labels))
+    if world == 3:
+        _expect(failures, "sp size not dividing the world", "does not divide the world size 3",
+                lambda: init_sequence_parallel(2))
+    # after all these errors the group still works
+    out = model(input_ids=ids, labels=labels)
+    if not torch.isfinite(out.loss):
+        failures.append("loss after the bad inputs is not finite")
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_patched_model_matches_single_process(world):
+    results = run_distributed(worker_exactness, world)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures)
