@@ -1,6 +1,8 @@
 """Synthetic long-range retrieval generated on the fly: the passkey task.
 
-Each sample is ``context_length`` tokens of random filler. Somewhere in the first
+Each sample is ``context_length`` tokens of filler: as in the passkey test of Mohtashami & Jaggi
+(2023), one fixed "sentence" of ``filler_period`` tokens repeated (``filler: repeat``, from a random
+phase per sample), or uniformly random tokens (``filler: random``, a harder variant). Somewhere in the first
 ``needle_max_frac`` of the sequence sits a needle ``[NEEDLE, k_1, ..., k_L]``; the
 sequence ends with the question ``[QUERY, k_1, ..., k_L]``. Only the answer tokens
 after ``QUERY`` carry labels, so the loss measures retrieval alone. The answer is at
@@ -36,6 +38,9 @@ class PasskeySpec:
     passkey_len: int = 1
     needle_max_frac: float = 0.5
     seed: int = 0
+    filler: str = "repeat"
+    filler_period: int = 32
+    filler_seed: int = 0  # the repeated sentence; shared by training and held-out samples
 
     def __post_init__(self) -> None:
         first_filler = 3 + self.num_values * self.passkey_len
@@ -46,6 +51,8 @@ class PasskeySpec:
                 f"synthetic: vocab_size {self.vocab_size} leaves no filler tokens; it must exceed "
                 f"3 + num_values * passkey_len = {first_filler}"
             )
+        if self.filler not in ("repeat", "random") or self.filler_period < 1:
+            raise ValueError("synthetic.filler must be 'repeat' or 'random' and filler_period >= 1")
         if not 0.0 < self.needle_max_frac < 1.0:
             raise ValueError("synthetic.needle_max_frac must be in (0, 1)")
         if self.needle_stop <= 1:
@@ -79,7 +86,13 @@ def make_passkey_sample(spec: PasskeySpec, index: int) -> dict[str, torch.Tensor
     """Sample ``index``: ``input_ids`` and ``labels`` (HF convention, unshifted), both ``(N,)``."""
     g = torch.Generator().manual_seed(spec.seed * 1_000_003 + index)
     n, L = spec.context_length, spec.passkey_len
-    ids = torch.randint(spec.first_filler, spec.vocab_size, (n,), generator=g)
+    if spec.filler == "repeat":
+        sentence = torch.randint(spec.first_filler, spec.vocab_size, (spec.filler_period,),
+                                 generator=torch.Generator().manual_seed(spec.filler_seed))
+        phase = int(torch.randint(0, spec.filler_period, (1,), generator=g))
+        ids = sentence.roll(-phase).repeat(n // spec.filler_period + 1)[:n].clone()
+    else:
+        ids = torch.randint(spec.first_filler, spec.vocab_size, (n,), generator=g)
     ids[0] = BOS
     key = torch.randint(0, spec.num_values, (L,), generator=g) + 3 + spec.num_values * torch.arange(L)
     pos = int(torch.randint(1, spec.needle_stop, (1,), generator=g))
