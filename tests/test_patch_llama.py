@@ -165,3 +165,112 @@ def test_patched_model_matches_single_process(world):
     results = run_distributed(worker_exactness, world)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------- one process, no torch.distributed
+
+
+@pytest.fixture
+def unpatch():
+    yield
+    import lightseq_hf
+
+    lightseq_hf.unpatch_llama()
+
+
+def test_single_process_exact_generate_and_idempotent(unpatch):
+    from tiny_models import loss_and_grads, make_batch, make_model
+
+    import lightseq_hf
+
+    ids, labels = make_batch(2, 23, seed=5, ignore_prefix=2)
+    ref = make_model("qwen3")
+    ref_loss, ref_grads, _ = loss_and_grads(ref, input_ids=ids, labels=labels)
+    ref.eval()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=ids).logits
+        ref_gen = ref.generate(ids[:1, :8], max_new_tokens=5, do_sample=False)
+
+    lightseq_hf.patch_llama()
+    lightseq_hf.patch_llama()  # idempotent
+    model = make_model("qwen3")
+    assert lightseq_hf.patch_llama(model) is model and lightseq_hf.patch_model(model) is model
+    forward = type(model).forward
+    assert forward.__wrapped__.__name__ == "forward" and not hasattr(forward.__wrapped__, "_lightseq_patched")
+    loss, grads, logits = loss_and_grads(model, input_ids=ids, labels=labels)
+    assert logits is None
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert max(rel_err(grads[n], ref_grads[n]) for n in ref_grads) <= 1e-4
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(model(input_ids=ids).logits, ref_logits) <= 1e-5
+        loss_eval = model(input_ids=ids, labels=labels)  # eval with labels: loss and the logits
+        assert rel_err(loss_eval.loss, ref_loss) <= 1e-5 and loss_eval.logits.shape == ref_logits.shape
+        assert torch.equal(model.generate(ids[:1, :8], max_new_tokens=5, do_sample=False), ref_gen)
+        tup = model(input_ids=ids, return_dict=False)
+        assert isinstance(tup, tuple) and rel_err(tup[0], ref_logits) <= 1e-5
+    assert model.config._attn_implementation == "lightseq_dist"
+    lightseq_hf.unpatch_llama()
+    assert type(model).forward is forward.__wrapped__
+    assert model.config._attn_implementation == "eager"
+
+
+def test_peft_wrapped_model(unpatch):
+    peft = pytest.importorskip("peft")
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+
+    ids, labels = make_batch(1, 20, seed=6)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ref = peft.get_peft_model(make_model("llama"), lora)
+    ref.train()
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None}
+
+    model = peft.get_peft_model(make_model("llama"), lora)
+    assert lightseq_hf.patch_llama(model) is model
+    assert model.get_base_model().config._attn_implementation == "lightseq_dist"
+    model.train()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(grads) == set(ref_grads) and len(grads) == 8  # only the LoRA matrices train
+    assert rel_err(loss, ref_loss) <= 1e-5
+    assert max(rel_err(grads[n], ref_grads[n]) for n in ref_grads) <= 1e-4
+
+
+def test_unknown_transformers_version_is_refused(monkeypatch, unpatch):
+    import transformers
+
+    import lightseq_hf
+
+    monkeypatch.setattr(transformers, "__version__", "4.46.3")
+    with pytest.raises(RuntimeError, match=r"supports transformers 5\.x"):
+        lightseq_hf.patch_llama()
+
+
+def test_sharding_helpers():
+    from lightseq_hf.parallel import sharding
+
+    labels = torch.tensor([[5, 6, 7, 8, 9]])
+    assert sharding.shift_labels(labels).tolist() == [[6, 7, 8, 9, -100]]
+    shards = [sharding.shard_for(5, r, 3) for r in range(3)]
+    assert [(s.start, s.end, s.real_end) for s in shards] == [(0, 2, 2), (2, 4, 4), (4, 6, 5)]
+    pieces = [sharding.take_shard(sharding.shift_labels(labels), s, value=-100) for s in shards]
+    assert torch.cat(pieces, 1).tolist() == [[6, 7, 8, 9, -100, -100]]
+    pos = [sharding.global_position_ids(None, 2, s, torch.device("cpu")) for s in shards]
+    assert torch.cat(pos, 1).tolist() == [list(range(6))] * 2
+    offset = torch.arange(3, 8).unsqueeze(0)
+    assert sharding.global_position_ids(offset, 1, shards[2], torch.device("cpu")).tolist() == [[7, 8]]
+    # the chunked loss equals the one-shot cross-entropy sum, value and gradient
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 11, 8, generator=g, requires_grad=True)
+    head = torch.nn.Linear(8, 13, bias=False)
+    target = torch.randint(0, 13, (2, 11), generator=g)
+    target[0, :4] = -100
+    full = torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), target.flatten(), reduction="sum")
+    chunked = sharding.chunked_loss_sum(hidden, target, head, 13, chunk_size=6)
+    assert rel_err(chunked, full) <= 1e-6
+    assert rel_err(torch.autograd.grad(chunked, hidden)[0], torch.autograd.grad(full, hidden)[0]) <= 1e-6
