@@ -1,0 +1,253 @@
+"""End-to-end training-step benchmark: a Llama-2-7B shape, FSDP2 across the GPUs, AdamW.
+
+Launch with torchrun, one process per GPU::
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+        torchrun --nproc_per_node 2 scripts/bench_train.py --out benchmarks/results
+
+Variants, same model shape and data in one run: ``remat`` (ours, rematerialization-aware
+checkpointing), ``hf`` (ours with Hugging Face's layer checkpointing, the paper's Table 5
+ablation), ``torch_cp`` (torch's ``context_parallel`` ring attention over SDPA cuDNN with
+HF checkpointing). bf16 compute, float32 master weights and optimizer state (FSDP2 mixed
+precision). ``--tiny`` runs a small model on CPU processes (gloo) as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
+    "7b": (4096, 11008, 32, 32, 32, 32000),
+    "7b-gqa": (4096, 11008, 32, 32, 8, 32000),
+    "7b-33h": (4224, 11008, 32, 33, 33, 32000),  # the paper's irregular LLaMA-33H (head dim 128)
+    "tiny": (64, 128, 2, 4, 2, 128),
+}
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="7b", choices=sorted(SHAPES))
+    p.add_argument("--seqs", default="32768,65536", help="total tokens per sequence")
+    p.add_argument("--variants", default="remat,hf,torch_cp")
+    p.add_argument("--steps", type=int, default=3, help="steps per variant; the first is warm-up")
+    p.add_argument("--backend", default="sdpa_cudnn", help="our local attention kernel")
+    p.add_argument("--matmul-peak", type=float, default=None, help="measured bf16 TFLOP/s (else measured)")
+    p.add_argument("--out", default="benchmarks/results")
+    return p.parse_args()
+
+
+def model_flops(shape, n: int) -> float:
+    """Model FLOPs of one training step on one sequence of n tokens (no recompute counted)."""
+    hidden, inter, layers, heads, kv_heads, vocab = shape
+    d = hidden // heads
+    per_layer = 2 * hidden * heads * d + 2 * hidden * kv_heads * d + 3 * hidden * inter
+    dense = layers * per_layer + hidden * vocab
+    attention = layers * 3.5 * 2 * heads * n * n * d  # causal forward 2*H*N^2*D, forward+backward 3.5x
+    return 6 * dense * n + attention
+
+
+def build_model(shape, n: int, device: torch.device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, inter, layers, heads, kv_heads, vocab = shape
+    config = LlamaConfig(
+        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
+        max_position_embeddings=max(n, 4096), attn_implementation="sdpa", use_cache=False,
+    )
+    with device:
+        model = LlamaForCausalLM(config)
+    return model
+
+
+def shard(model, device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kwargs = {}
+    if device.type == "cuda":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def run_variant(variant, shape, n, steps, backend, device, rank, world):
+    """Median step seconds and peak memory (GiB) of one variant."""
+    import lightseq_hf
+
+    torch.manual_seed(0)
+    model = build_model(shape, n, device)
+    if variant in ("remat", "hf"):
+        local_kernel = backend if device.type == "cuda" else "auto"
+        lightseq_hf.patch_llama(model, checkpointing=variant, backend=local_kernel)
+    else:
+        lightseq_hf.unpatch_llama()
+    model.gradient_checkpointing_enable()
+    model = shard(model, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, shape[5], (1, n), generator=g).to(device)
+
+    def step():
+        if variant == "torch_cp":
+            loss = cp_step(model, ids, world, device)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(steps):
+        sync(device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step()
+        sync(device)
+        if i > 0 or steps == 1:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak)
+    return statistics.median(t.tolist()), peaks, float(loss)
+
+
+def cp_step(model, ids, world, device):
+    """torch context parallel: shards ids/labels head-tail, ring attention inside SDPA."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mesh = init_device_mesh(device.type, (world,))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # shifted globally
+    inputs, targets = ids.clone(), labels.clone()
+    # No position_ids: head-tail shards would look like packed sequences to Transformers' mask
+    # code; RoPE positions do not change the work.
+    kernel = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+    with sdpa_kernel(kernel), context_parallel(
+        mesh, buffers=[inputs, targets], buffer_seq_dims=[1, 1], no_restore_buffers={inputs, targets}
+    ):
+        loss = model(input_ids=inputs, shift_labels=targets, labels=targets).loss
+        loss.backward()
+    return loss
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_matmul_peak() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def main() -> None:
+    args = parse_args()
+    cuda = torch.cuda.is_available() and args.model != "tiny"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shape = SHAPES[args.model]
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    slug = name.replace("NVIDIA ", "").replace(" ", "-").lower()
+    date = datetime.date.today().isoformat()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"train-{slug}-x{world}-{date}{'' if args.model.startswith('7b') else '-' + args.model}.json"
+    peak_measured = args.matmul_peak * 1e12 if args.matmul_peak else (measure_matmul_peak() if cuda else None)
+    import transformers
+
+    meta = {"device": name, "world": world, "date": date, "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": args.model, "shape": shape,
+            "backend": args.backend, "matmul_peak_tflops": peak_measured / 1e12 if peak_measured else None,
+            "notes": "FSDP2 (bf16 params, fp32 reduce and master weights), AdamW, batch 1, gradient "
+                     "checkpointing on in every variant; times: median step of the slowest rank after "
+                     "one warm-up step"}
+    rows = []
+    for n in [int(s) for s in args.seqs.split(",")]:
+        for variant in args.variants.split(","):
+            row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant}
+            try:
+                result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world)
+                sec, peaks, loss = result
+                flops = model_flops(shape, n)
+                row.update(step_s=sec, tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
+                           mfu=flops / sec / world / PEAK_BF16)
+                if peak_measured:
+                    row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
+            except Exception as err:  # noqa: BLE001 - recorded in the results
+                oom = "out of memory" in str(err)
+                row["error"] = "out of memory" if oom else traceback.format_exc(limit=4)
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+            gc.collect()  # free the variant's model and optimizer before the next one
+            if cuda:
+                torch.cuda.empty_cache()
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+                result = {**meta, "rows": rows, "summary": summarize(rows, world)}
+                path.write_text(json.dumps(result, indent=1))
+    if rank == 0:
+        print(json.dumps(summarize(rows, world), indent=1))
+    dist.destroy_process_group()
+
+
+def summarize(rows, world) -> dict:
+    def step(variant, n):
+        for r in rows:
+            if r["variant"] == variant and r["seq"] == n and "step_s" in r:
+                return r["step_s"]
+        return None
+
+    summary = {}
+    remat, hf = step("remat", 32768 * world), step("hf", 32768 * world)
+    summary["remat_vs_hf_ckpt_32k_per_gpu"] = hf / remat if remat and hf else None
+    ours, cp = step("remat", 65536), step("torch_cp", 65536)
+    summary["vs_torch_cp_64k"] = cp / ours if ours and cp else None
+    ok = lambda v: [r["seq"] for r in rows if r["variant"] == v and "step_s" in r]  # noqa: E731
+    summary["max_context_ours_tried"] = max(ok("remat"), default=None)
+    summary["max_context_torch_cp_tried"] = max(ok("torch_cp"), default=None)
+    r128 = [r for r in rows if r["variant"] == "remat" and r["seq"] == 131072 and "mfu" in r]
+    summary["mfu_128k"] = r128[0]["mfu"] if r128 else None
+    return summary
+
+
+if __name__ == "__main__":
+    main()
