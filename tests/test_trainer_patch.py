@@ -112,3 +112,20 @@ def test_trainer_two_processes_matches_single_process():
         for got, want in zip(r["losses"], reference):
             assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], reference)
     assert reference[-1] < reference[0]  # it trains
+
+
+def test_reshard_four_ranks_two_by_two(monkeypatch):
+    """World 4 = 2 data-parallel x 2 sequence-parallel, simulated on one process (Accelerate sharding)."""
+    from accelerate.data_loader import prepare_data_loader
+
+    from lightseq_hf.patches import trainer as patch
+
+    seen = []
+    for rank in range(4):
+        loader = prepare_data_loader(torch.utils.data.DataLoader(list(range(16)), batch_size=2),
+                                     num_processes=4, process_index=rank, put_on_device=False)
+        monkeypatch.setattr(patch, "data_parallel_coordinates", lambda r=rank: (2, 2, r // 2))
+        seen.append([b.tolist() for b in patch.shard_by_data_parallel_rank(loader)])
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # sequence-parallel ranks: identical batches
+    first, second = ({i for b in s for i in b} for s in (seen[0], seen[2]))
+    assert not first & second and first | second == set(range(16))  # data-parallel groups: disjoint, complete
