@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 
 #: GPU name substring -> backend measured fastest for causal forward+backward.
-MEASURED_FASTEST: dict[str, str] = {}
+#: H100: benchmarks/results/kernels-h100-2026-11-22.json (cuDNN 1.2-1.6x our Triton kernels on every
+#: causal row); H200: benchmarks/results/dist-h200-x2-2026-11-22.json (single-GPU rows, cuDNN faster).
+MEASURED_FASTEST: dict[str, str] = {"H100": "sdpa_cudnn", "H200": "sdpa_cudnn"}
 
 
 def preferred_cuda_backend(device: torch.device, *, triton_ok: bool) -> str:
