@@ -28,20 +28,24 @@ def _triton_usable(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _auto_backend(device: torch.device) -> str:
+def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> str:
     if device.type != "cuda":
         return "reference"
+    triton_ok = _triton_usable(device)
+    if dtype not in (None, torch.float16, torch.bfloat16):  # the SDPA kernels take half types only
+        return "triton" if triton_ok and dtype == torch.float32 else "reference"
     from .autoselect import preferred_cuda_backend
 
-    return preferred_cuda_backend(device, triton_ok=_triton_usable(device))
+    return preferred_cuda_backend(device, triton_ok=triton_ok)
 
 
-def get_kernel(backend: str, device: torch.device) -> AttentionKernel:
-    """The kernel for ``backend`` on ``device``; raises ValueError naming the fix."""
+def get_kernel(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionKernel:
+    """The kernel for ``backend`` on ``device`` (``auto`` also looks at ``dtype``); raises
+    ValueError naming the fix."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if backend == "auto":
-        backend = _auto_backend(device)
+        backend = _auto_backend(device, dtype)
     if backend == "triton" and not _triton_usable(device):
         raise ValueError(
             "backend 'triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 to run "
