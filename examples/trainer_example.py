@@ -1,6 +1,7 @@
 """The same sequence-parallel fine-tune with a plain Hugging Face ``Trainer`` and one line of lightseq_hf.
 
-    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml examples/trainer_example.py [--max-steps N]
+    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml examples/trainer_example.py \\
+        [--max-steps N]
 
 ``lightseq_hf.patch_llama()`` before building the model/Trainer is the only change to an ordinary
 Trainer script: every rank of the (default: whole-world) sequence-parallel group gets the same batch,

@@ -42,6 +42,9 @@ class SyntheticConfig:
     num_values: int = 16
     passkey_len: int = 1
     needle_max_frac: float = 0.5
+    needle_repeat: int = 1  # the needle states the key this many times in a row
+    filler: str = "repeat"  # repeat (one sentence repeated, the classic passkey test) | random
+    filler_period: int = 32
     num_samples: int = 1_000_000
     eval_samples: int = 32
     seed: int = 1234
@@ -131,6 +134,7 @@ _CHOICES = {
     "data.type": ("synthetic", "files", "hub"),
     "data.format": ("auto", "json", "text", "parquet", "csv"),
     "data.synthetic.task": ("passkey",),
+    "data.synthetic.filler": ("repeat", "random"),
     "training.lr_schedule": ("cosine", "linear", "constant"),
     "training.mixed_precision": (None, "no", "bf16", "fp16"),
     "training.checkpointing": ("remat", "hf", "none"),
@@ -312,7 +316,7 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     positive("logging.eval_every", cfg.logging.eval_every, allow_zero=True)
     positive("saving.every", cfg.saving.every, allow_zero=True)
     s = cfg.data.synthetic
-    for key in ("num_values", "passkey_len", "num_samples"):
+    for key in ("num_values", "passkey_len", "num_samples", "needle_repeat", "filler_period"):
         positive(f"data.synthetic.{key}", getattr(s, key))
     positive("data.synthetic.eval_samples", s.eval_samples, allow_zero=True)
     if not 0.0 < s.needle_max_frac < 1.0:

@@ -218,4 +218,5 @@ def passkey_spec(cfg: Any, seed: int | None = None, vocab_size: int | None = Non
     s = cfg.data.synthetic
     vocab = vocab_size or (cfg.model.config or {}).get("vocab_size", 256)
     return PasskeySpec(cfg.context_length, vocab, s.num_values, s.passkey_len, s.needle_max_frac,
-                       s.seed if seed is None else seed)
+                       s.seed if seed is None else seed, filler=s.filler, filler_period=s.filler_period,
+                       needle_repeat=s.needle_repeat)

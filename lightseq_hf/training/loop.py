@@ -393,7 +393,8 @@ def train(cfg: FinetuneConfig) -> dict:
         "torch": torch.__version__, "host": platform.node(),
     }
     if last_eval:
-        summary.update({f"eval_{k}": v for k, v in last_eval.items() if k not in ("kind",)})
+        summary.update({k if k.startswith("eval") else f"eval_{k}": v for k, v in last_eval.items()
+                        if k != "kind"})
     if accelerator.is_main_process:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         if cfg.logging.plot:

@@ -1,20 +1,21 @@
 """Synthetic long-range retrieval generated on the fly: the passkey task.
 
-Each sample is ``context_length`` tokens of filler: as in the passkey test of Mohtashami & Jaggi
-(2023), one fixed "sentence" of ``filler_period`` tokens repeated (``filler: repeat``, from a random
-phase per sample), or uniformly random tokens (``filler: random``, a harder variant). Somewhere in the first
-``needle_max_frac`` of the sequence sits a needle ``[NEEDLE, k_1, ..., k_L]``; the
-sequence ends with the question ``[QUERY, k_1, ..., k_L]``. Only the answer tokens
-after ``QUERY`` carry labels, so the loss measures retrieval alone. The answer is at
-least ``(1 - needle_max_frac) * context_length`` tokens after the needle: with the
-default 0.5 and a sequence-parallel group of 2, the needle lies in rank 0's shard and
-the question in rank 1's, so the model can only learn the task if attention crosses
-shard boundaries. Chance accuracy per answer token is ``1 / num_values``.
+Each sample is ``context_length`` tokens of filler: as in the passkey test of Mohtashami &
+Jaggi (2023), one fixed "sentence" of ``filler_period`` tokens repeated from a random phase
+(``filler: repeat``), or uniformly random tokens (``filler: random``, harder). Somewhere in
+the first ``needle_max_frac`` of the sequence sits the needle ``[NEEDLE, key x needle_repeat]``
+(the key ``k_1..k_L`` stated ``needle_repeat`` times in a row; the original test states it
+twice; a louder needle is learned from fewer samples); the sequence ends with the question
+``[QUERY, k_1, ..., k_L]``. Only the answer tokens after ``QUERY`` carry labels, so the loss
+measures retrieval alone. With the default ``needle_max_frac`` 0.5 and a sequence-parallel
+group of 2, the whole needle lies in rank 0's shard and the question in rank 1's, at least
+``context_length / 2 - passkey_len`` tokens later: the model can only learn the task if
+attention crosses the shard boundary. Chance accuracy per answer token is ``1 / num_values``.
 
 Token ids: 0 = BOS, 1 = NEEDLE, 2 = QUERY, then ``passkey_len`` disjoint blocks of
-``num_values`` key tokens (digit ``j`` of the key is drawn from block ``j``), then
-filler tokens up to ``vocab_size``. Samples are a pure function of ``(seed, index)``,
-so any rank regenerates any sample and a resumed run sees the same data.
+``num_values`` key tokens (digit ``j`` of the key is drawn from block ``j``), then filler
+tokens up to ``vocab_size``. Samples are a pure function of ``(seed, index)``, so any rank
+regenerates any sample and a resumed run sees the same data.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class PasskeySpec:
     filler: str = "repeat"
     filler_period: int = 32
     filler_seed: int = 0  # the repeated sentence; shared by training and held-out samples
+    needle_repeat: int = 1  # the needle states the key this many times in a row
 
     def __post_init__(self) -> None:
         first_filler = 3 + self.num_values * self.passkey_len
@@ -51,6 +53,8 @@ class PasskeySpec:
                 f"synthetic: vocab_size {self.vocab_size} leaves no filler tokens; it must exceed "
                 f"3 + num_values * passkey_len = {first_filler}"
             )
+        if self.needle_repeat < 1:
+            raise ValueError("synthetic.needle_repeat must be >= 1")
         if self.filler not in ("repeat", "random") or self.filler_period < 1:
             raise ValueError("synthetic.filler must be 'repeat' or 'random' and filler_period >= 1")
         if not 0.0 < self.needle_max_frac < 1.0:
@@ -66,10 +70,16 @@ class PasskeySpec:
         return 3 + self.num_values * self.passkey_len
 
     @property
+    def needle_len(self) -> int:
+        """Tokens of the needle: the marker and the key ``needle_repeat`` times."""
+        return 1 + self.passkey_len * self.needle_repeat
+
+    @property
     def needle_stop(self) -> int:
-        """Exclusive upper bound of the needle's start position."""
+        """Exclusive upper bound of the needle's start position (the whole needle fits before
+        ``needle_max_frac * context_length``)."""
         return min(int(self.context_length * self.needle_max_frac),
-                   self.context_length - 2 * (self.passkey_len + 1)) - self.passkey_len
+                   self.context_length - 2 * (self.passkey_len + 1)) - self.needle_len + 1
 
     @property
     def chance(self) -> float:
@@ -79,7 +89,7 @@ class PasskeySpec:
     @property
     def min_distance(self) -> int:
         """Fewest tokens between the last needle token and the first answer token."""
-        return self.context_length - self.passkey_len - (self.needle_stop - 1 + self.passkey_len)
+        return self.context_length - self.passkey_len - (self.needle_stop - 1 + self.needle_len - 1)
 
 
 def make_passkey_sample(spec: PasskeySpec, index: int) -> dict[str, torch.Tensor]:
@@ -97,7 +107,7 @@ def make_passkey_sample(spec: PasskeySpec, index: int) -> dict[str, torch.Tensor
     key = torch.randint(0, spec.num_values, (L,), generator=g) + 3 + spec.num_values * torch.arange(L)
     pos = int(torch.randint(1, spec.needle_stop, (1,), generator=g))
     ids[pos] = NEEDLE
-    ids[pos + 1: pos + 1 + L] = key
+    ids[pos + 1: pos + spec.needle_len] = key.repeat(spec.needle_repeat)
     ids[n - L - 1] = QUERY
     ids[n - L:] = key
     labels = torch.full((n,), IGNORE_INDEX, dtype=torch.long)
