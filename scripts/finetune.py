@@ -1,12 +1,18 @@
 """Sequence-parallel fine-tuning from a YAML config.
 
-    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml scripts/finetune.py configs/tiny.yaml \
+    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml scripts/finetune.py configs/tiny.yaml \\
         training.max_steps=20 output_dir=runs/try
 """
 
 import sys
+from pathlib import Path
 
-from lightseq_hf.training.cli import main
+try:
+    import lightseq_hf  # noqa: F401
+except ImportError:  # running from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightseq_hf.training.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
