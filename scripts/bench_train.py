@@ -188,7 +188,7 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train-{slug}-x{world}-{date}{'' if args.model.startswith('7b') else '-' + args.model}.json"
+    path = out / f"train-{slug}-x{world}-{date}{'' if args.model == '7b' else '-' + args.model}.json"
     peak_measured = args.matmul_peak * 1e12 if args.matmul_peak else (measure_matmul_peak() if cuda else None)
     import transformers
 

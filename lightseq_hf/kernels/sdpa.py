@@ -105,7 +105,7 @@ class SdpaKernel:
                 self._cudnn_backward_failed = True
         if self.flavor == "flash" or self._cudnn_backward_failed:
             grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, empty, empty, lq, k.shape[1], 0.0, causal, empty, empty, scale=scale
+                dot, qt, kt, vt, ot, lse, None, None, lq, k.shape[1], 0.0, causal, empty, empty, scale=scale
             )
         gq = grads[0].transpose(1, 2)
         gk = grads[1].transpose(1, 2).reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32)
