@@ -212,7 +212,9 @@ def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: in
             counts += torch.tensor(answer_accuracy(pred, targets), dtype=torch.float64)
     model.train(was_training)
     if dist.is_available() and dist.is_initialized():
+        counts = counts.to(device)  # NCCL reduces device tensors only
         dist.all_reduce(counts)
+        counts = counts.cpu()
     tc, tt, kc, kt = counts.tolist()
     return {"accuracy": tc / max(tt, 1), "key_accuracy": kc / max(kt, 1), "chance": spec.chance,
             "eval_samples": n_eval, "answer_tokens": int(tt)}
