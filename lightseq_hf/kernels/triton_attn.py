@@ -68,19 +68,18 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-_allocator_set = False
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
 
 
 def _ensure_allocator(device: torch.device) -> None:
-    """In-kernel tensor descriptors need a scratch allocator on CUDA."""
-    global _allocator_set
-    if device.type == "cuda" and not _allocator_set:
+    """In-kernel tensor descriptors need a scratch allocator on CUDA.
 
-        def alloc(size: int, alignment: int, stream) -> torch.Tensor:
-            return torch.empty(size, device="cuda", dtype=torch.int8)
-
-        triton.set_allocator(alloc)
-        _allocator_set = True
+    Triton keeps the allocator in a context variable, so it is per thread: set it at every
+    call (cheap), since autograd runs backward in its own thread.
+    """
+    if device.type == "cuda":
+        triton.set_allocator(_scratch)
 
 
 def _s(t: torch.Tensor) -> tuple[int, ...]:
