@@ -40,6 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-torch-cp", action="store_true")
     p.add_argument("--no-single", action="store_true")
     p.add_argument("--trace", action="store_true", help="write a profiler trace of ours at 64K")
+    p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
     return p.parse_args()
 
 
@@ -201,6 +202,9 @@ def per_rank_compute(q, k, v, dout, backend, reps, world, with_bwd):
 
 def main() -> None:
     args = parse_args()
+    if args.plot_from:
+        plot(json.loads(Path(args.plot_from).read_text())["rows"], Path(args.plot_from).with_suffix(".png"))
+        return
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))

@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", default="sdpa_cudnn", help="our local attention kernel")
     p.add_argument("--matmul-peak", type=float, default=None, help="measured bf16 TFLOP/s (else measured)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--plot-from", nargs="+", default=None, help="only draw a PNG from results JSONs")
     return p.parse_args()
 
 
@@ -170,8 +171,38 @@ def measure_matmul_peak() -> float:
     return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
 
 
+def plot(paths: list[str]) -> None:
+    """Step time and peak memory per variant and length, from one or more results files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    labels, times, mems = [], [], []
+    for res in results:
+        for r in res["rows"]:
+            if "step_s" in r:
+                labels.append(f"{res['model']} {r['seq'] // 1024}K\n{r['variant']}")
+                times.append(r["step_s"])
+                mems.append(max(m for m in r["peak_gib"] if m is not None))
+    axes[0].bar(range(len(times)), times)
+    axes[0].set_ylabel("step time (s)")
+    axes[1].bar(range(len(mems)), mems, color="tab:orange")
+    axes[1].set_ylabel("peak memory per GPU (GiB)")
+    for ax in axes:
+        ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
+    fig.suptitle(f"training step, {results[0]['device']} x{results[0]['world']}, FSDP2 + AdamW, bf16")
+    fig.tight_layout()
+    fig.savefig(Path(paths[0]).with_suffix(".png"), dpi=110)
+
+
 def main() -> None:
     args = parse_args()
+    if args.plot_from:
+        plot(args.plot_from)
+        return
     cuda = torch.cuda.is_available() and args.model != "tiny"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
