@@ -124,15 +124,67 @@ def _token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.M
                            reduction="sum")
 
 
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """Sum of cross-entropies of ``hidden @ weight.T``, a chunk of rows at a time.
+
+    The gradients are computed in the forward pass, chunk by chunk, so neither the logits nor
+    the weight are needed in backward: at most one chunk of float32 logits is alive, and a
+    weight that FSDP re-shards after the forward is never read again.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_rows):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        targets = labels.reshape(-1)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_h = torch.empty_like(flat) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        total = flat.new_zeros((), dtype=acc)
+        for i in range(0, flat.shape[0], chunk_rows):
+            h, y = flat[i:i + chunk_rows], targets[i:i + chunk_rows]
+            logits = (h @ weight.t()).to(acc)
+            valid = y != IGNORE_INDEX
+            safe_y = torch.where(valid, y, torch.zeros_like(y))
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+            total = total + ((lse - picked) * valid).sum()
+            if need_h or need_w:
+                dlogits = torch.exp(logits - lse[:, None])
+                dlogits.scatter_add_(1, safe_y[:, None], -torch.ones_like(lse)[:, None])
+                dlogits = (dlogits * valid[:, None]).to(h.dtype)
+                if need_h:
+                    grad_h[i:i + chunk_rows] = dlogits @ weight
+                if need_w:
+                    grad_w += (dlogits.t() @ h).to(acc)
+        ctx.save_for_backward(
+            grad_h.view(hidden.shape) if need_h else None, grad_w if need_w else None
+        )
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.saved_tensors
+        dh = grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None
+        dw = (grad_w * grad_total).to(ctx.weight_dtype) if grad_w is not None else None
+        return dh, dw, None, None
+
+
 def chunked_loss_sum(
     hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, vocab: int, chunk_size: int = 2048
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, ``chunk_size`` tokens at a time.
 
-    Under autograd each chunk's float32 logits are recomputed in backward (checkpoint), so at most
-    one chunk of full-vocabulary logits is alive at any time. Chunks whose labels are all ignored
-    still run: every rank's sum must be in the graph, or the backward all-reduce would wait forever.
+    A plain ``nn.Linear`` head without bias goes through a fused chunked linear + cross-entropy
+    whose gradients are made in the forward pass (no logits or weights kept for backward). Other
+    heads (LoRA-wrapped, biased) recompute each chunk's logits in backward (checkpoint). Either
+    way at most one chunk of full-vocabulary float32 logits is alive. Chunks whose labels are all
+    ignored still run: every rank's sum must be in the graph, or the backward all-reduce would
+    wait forever.
     """
+    if type(head) is torch.nn.Linear and head.bias is None:
+        return _LinearCrossEntropySum.apply(hidden, head.weight, labels, max(1, chunk_size))
     total = hidden.new_zeros((), dtype=torch.float32)
     seq = hidden.shape[1]
     per_chunk = max(1, chunk_size // max(1, hidden.shape[0]))
