@@ -70,15 +70,17 @@ def flops(n: int, heads: int, dim: int, with_bwd: bool) -> float:
     return fwd * 3.5 if with_bwd else fwd
 
 
-def make_ours(q, k, v, dout, backend, schedule, with_bwd):
+def make_ours(q, k, v, dout, backend, schedule, with_bwd, group=None):
+    """One forward (or forward+backward) of dist_flash_attn over ``group`` (default: the world)."""
+    kwargs = dict(backend=backend, schedule=schedule, group=group, check_shapes=False)
+
     def run():
         if with_bwd:
-            out = lightseq_hf.dist_flash_attn(q, k, v, backend=backend, schedule=schedule, check_shapes=False)
-            out.backward(dout)
+            lightseq_hf.dist_flash_attn(q, k, v, **kwargs).backward(dout)
             q.grad = k.grad = v.grad = None
         else:
             with torch.no_grad():
-                lightseq_hf.dist_flash_attn(q, k, v, backend=backend, schedule=schedule, check_shapes=False)
+                lightseq_hf.dist_flash_attn(q, k, v, **kwargs)
     return run
 
 
@@ -150,7 +152,7 @@ def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
                 except Exception as e:  # noqa: BLE001 - recorded in the results
                     results[("single_cudnn", with_bwd)] = f"error: {e}"
                 for backend in (b for b in backends if not b.startswith("sdpa")):  # sdpa == single_cudnn
-                    fn = make_ours_group(q, k, v, dout, backend, with_bwd, solo_group)
+                    fn = make_ours(q, k, v, dout, backend, "balanced", with_bwd, solo_group)
                     try:
                         results[(f"single_{backend}", with_bwd)] = timed_local(fn, reps)
                     except Exception as e:  # noqa: BLE001
@@ -159,18 +161,6 @@ def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
         torch.cuda.empty_cache()
     dist.barrier()
     return results
-
-
-def make_ours_group(q, k, v, dout, backend, with_bwd, group):
-    def run():
-        if with_bwd:
-            out = lightseq_hf.dist_flash_attn(q, k, v, backend=backend, group=group, check_shapes=False)
-            out.backward(dout)
-            q.grad = k.grad = v.grad = None
-        else:
-            with torch.no_grad():
-                lightseq_hf.dist_flash_attn(q, k, v, backend=backend, group=group, check_shapes=False)
-    return run
 
 
 def timed_local(fn, reps: int, warmup: int = 1) -> float:
