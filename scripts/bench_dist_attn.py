@@ -44,14 +44,16 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def timed(fn, reps: int, warmup: int = 1, reduce_max: bool = True) -> float:
-    """Median milliseconds of ``fn`` (the slowest rank per repetition when ``reduce_max``)."""
+def timed(fn, reps: int, warmup: int = 1, reduce_max: bool = True, collective: bool = True) -> float:
+    """Median milliseconds of ``fn``; with ``collective`` every rank runs it in lock-step (a barrier
+    before each repetition) and ``reduce_max`` takes the slowest rank per repetition."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        dist.barrier()
+        if collective:
+            dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -59,7 +61,7 @@ def timed(fn, reps: int, warmup: int = 1, reduce_max: bool = True) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     t = torch.tensor(times, device="cuda")
-    if reduce_max:
+    if collective and reduce_max:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
 
@@ -148,33 +150,19 @@ def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
             ctx = torch.enable_grad() if with_bwd else torch.no_grad()
             with ctx:
                 try:
-                    results[("single_cudnn", with_bwd)] = timed_local(sdpa(with_bwd), reps)
+                    results[("single_cudnn", with_bwd)] = timed(sdpa(with_bwd), reps, collective=False)
                 except Exception as e:  # noqa: BLE001 - recorded in the results
                     results[("single_cudnn", with_bwd)] = f"error: {e}"
                 for backend in (b for b in backends if not b.startswith("sdpa")):  # sdpa == single_cudnn
                     fn = make_ours(q, k, v, dout, backend, "balanced", with_bwd, solo_group)
                     try:
-                        results[(f"single_{backend}", with_bwd)] = timed_local(fn, reps)
+                        results[(f"single_{backend}", with_bwd)] = timed(fn, reps, collective=False)
                     except Exception as e:  # noqa: BLE001
                         results[(f"single_{backend}", with_bwd)] = f"error: {e}"
         del q, k, v, dout
         torch.cuda.empty_cache()
     dist.barrier()
     return results
-
-
-def timed_local(fn, reps: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def per_rank_compute(q, k, v, dout, backend, reps, world, with_bwd):
