@@ -164,3 +164,31 @@ def worker_out_only_kernel(rank, world):
 def test_kernels_needing_out_in_backward_get_it():
     failures = [f for rank_failures in run_distributed(worker_out_only_kernel, 3) for f in rank_failures]
     assert not failures, "\n".join(failures)
+
+
+def worker_triton_interpreter(rank, world):
+    """dist_flash_attn with the Triton kernels (CPU interpreter): accumulate mode and delta in the loop."""
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    failures = []
+    for i, (causal, schedule) in enumerate(((True, "balanced"), (True, "ring"), (False, "balanced"))):
+        q, k, v, dout = make_inputs(300 + i, 1, 24 * world, 4, 2, 64)
+        ref_out, ref_lse = naive_attention(q, k, v, causal)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        naive_attention(qr, kr, vr, causal)[0].backward(dout)
+        sl = slice(rank * 24, (rank + 1) * 24)
+        refs = (ref_out[:, sl], ref_lse[:, :, sl], qr.grad[:, sl], kr.grad[:, sl], vr.grad[:, sl])
+        got = run_attention(q, k, v, dout, rank=rank, world=world, dtype=torch.float32, causal=causal,
+                            schedule=schedule, backend="triton")
+        for name, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
+            err = rel_err(x, ref)
+            if not err <= 1e-4:
+                failures.append(f"rank {rank} causal={causal} {schedule}: {name} rel err {err:.2e}")
+    return failures
+
+
+def test_triton_kernels_in_the_distributed_loop():
+    pytest.importorskip("triton", reason="triton is not installed")
+    failures = [f for rank_failures in run_distributed(worker_triton_interpreter, 2) for f in rank_failures]
+    assert not failures, "\n".join(failures)
