@@ -8,7 +8,10 @@ Launch with torchrun, one process per GPU::
 Variants, same model shape and data in one run: ``remat`` (ours, rematerialization-aware
 checkpointing), ``hf`` (ours with Hugging Face's layer checkpointing, the paper's Table 5
 ablation), ``torch_cp`` (torch's ``context_parallel`` ring attention over SDPA cuDNN with
-HF checkpointing). bf16 compute, float32 master weights and optimizer state (FSDP2 mixed
+HF checkpointing), ``single`` (the unpatched model with SDPA cuDNN and HF checkpointing; run it
+with one process). ``--search-max-context`` doubles the length from the first of ``--seqs``
+until a step fails, per variant (run it under ``timeout``: a rank that runs out of memory
+alone would leave its peer waiting). bf16 compute, float32 master weights and optimizer state (FSDP2 mixed
 precision). ``--tiny`` runs a small model on CPU processes (gloo) as a smoke test.
 """
 
@@ -46,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--matmul-peak", type=float, default=None, help="measured bf16 TFLOP/s (else measured)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--plot-from", nargs="+", default=None, help="only draw a PNG from results JSONs")
+    p.add_argument("--search-max-context", action="store_true",
+                   help="double the length from the first of --seqs until a step fails, per variant")
+    p.add_argument("--max-seq", type=int, default=4 * 1024 * 1024, help="upper bound of the search")
     return p.parse_args()
 
 
@@ -105,6 +111,12 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world):
     def step():
         if variant == "torch_cp":
             loss = cp_step(model, ids, world, device)
+        elif variant == "single" and device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
         else:
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()
@@ -230,34 +242,58 @@ def main() -> None:
                      "checkpointing on in every variant; times: median step of the slowest rank after "
                      "one warm-up step"}
     rows = []
-    for n in [int(s) for s in args.seqs.split(",")]:
-        for variant in args.variants.split(","):
-            row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant}
-            try:
-                result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world)
-                sec, peaks, loss = result
-                flops = model_flops(shape, n)
-                row.update(step_s=sec, tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
-                           mfu=flops / sec / world / PEAK_BF16)
-                if peak_measured:
-                    row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
-            except Exception as err:  # noqa: BLE001 - recorded in the results
-                oom = "out of memory" in str(err)
-                row["error"] = "out of memory" if oom else traceback.format_exc(limit=4)
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
-            gc.collect()  # free the variant's model and optimizer before the next one
-            if cuda:
-                torch.cuda.empty_cache()
-            rows.append(row)
-            if rank == 0:
-                print(json.dumps(row), flush=True)
-                result = {**meta, "rows": rows, "summary": summarize(rows, world)}
-                path.write_text(json.dumps(result, indent=1))
+    seqs = [int(s) for s in args.seqs.split(",")]
+    variants = args.variants.split(",")
+    if "single" in variants and world != 1:
+        raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
+    if args.search_max_context:  # each variant doubles the length until a step fails
+        for variant in variants:
+            n = seqs[0]
+            while n <= args.max_seq:
+                row = measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=True)
+                record(row, rows, rank, meta, path, world)
+                if "step_s" not in row:
+                    break
+                n *= 2
+    else:
+        for n in seqs:
+            for variant in variants:
+                row = measure(variant, n, args, shape, device, rank, world, cuda, peak_measured)
+                record(row, rows, rank, meta, path, world)
     if rank == 0:
         print(json.dumps(summarize(rows, world), indent=1))
     dist.destroy_process_group()
+
+
+def record(row, rows, rank, meta, path, world) -> None:
+    rows.append(row)
+    if rank == 0:
+        print(json.dumps(row), flush=True)
+        result = {**meta, "rows": rows, "summary": summarize(rows, world)}
+        path.write_text(json.dumps(result, indent=1))
+
+
+def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=False) -> dict:
+    """One variant at one length: a results row (an ``error`` entry when the step failed)."""
+    row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
+    try:
+        result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world)
+        sec, peaks, loss = result
+        flops = model_flops(shape, n)
+        row.update(step_s=sec, tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
+                   mfu=flops / sec / world / PEAK_BF16)
+        if peak_measured:
+            row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
+    except Exception as err:  # noqa: BLE001 - recorded in the results
+        oom = "out of memory" in str(err)
+        row["error"] = "out of memory" if oom else traceback.format_exc(limit=4)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    gc.collect()  # free the variant's model and optimizer before the next one
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
 
 
 def summarize(rows, world) -> dict:
@@ -272,9 +308,18 @@ def summarize(rows, world) -> dict:
     summary["remat_vs_hf_ckpt_32k_per_gpu"] = hf / remat if remat and hf else None
     ours, cp = step("remat", 65536), step("torch_cp", 65536)
     summary["vs_torch_cp_64k"] = cp / ours if ours and cp else None
-    ok = lambda v: [r["seq"] for r in rows if r["variant"] == v and "step_s" in r]  # noqa: E731
-    summary["max_context_ours_tried"] = max(ok("remat"), default=None)
-    summary["max_context_torch_cp_tried"] = max(ok("torch_cp"), default=None)
+    ours, cp = step("remat", 131072), step("torch_cp", 131072)
+    summary["vs_torch_cp_128k"] = cp / ours if ours and cp else None
+
+    def longest(variant: str, searched: bool):
+        return max((r["seq"] for r in rows if r["variant"] == variant and "step_s" in r
+                    and r.get("search", False) == searched), default=None)
+
+    for name, variant in (("ours", "remat"), ("torch_cp", "torch_cp"), ("single", "single")):
+        if any(r["variant"] == variant and r.get("search") for r in rows):
+            # the longest length that trained: twice it failed, or passed --max-seq
+            summary[f"max_context_{name}"] = longest(variant, True)
+        summary[f"longest_measured_{name}"] = longest(variant, False)
     r128 = [r for r in rows if r["variant"] == "remat" and r["seq"] == 131072 and "mfu" in r]
     summary["mfu_128k"] = r128[0]["mfu"] if r128 else None
     return summary
