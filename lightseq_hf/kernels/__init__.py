@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .base import AttentionKernel, attention_delta, check_qkv
+from .base import TRITON_HEAD_DIMS, AttentionKernel, attention_delta, check_qkv
 from .reference import ReferenceKernel
 
 BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash")
@@ -28,24 +28,28 @@ def _triton_usable(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> str:
+def _auto_backend(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
     if device.type != "cuda":
         return "reference"
-    triton_ok = _triton_usable(device)
+    triton_ok = _triton_usable(device) and head_dim in (None, *TRITON_HEAD_DIMS)
     if dtype not in (None, torch.float16, torch.bfloat16):  # the SDPA kernels take half types only
         return "triton" if triton_ok and dtype == torch.float32 else "reference"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):  # beyond the fused SDPA kernels
+        return "triton" if triton_ok else "reference"
     from .autoselect import preferred_cuda_backend
 
     return preferred_cuda_backend(device, triton_ok=triton_ok)
 
 
-def get_kernel(backend: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionKernel:
-    """The kernel for ``backend`` on ``device`` (``auto`` also looks at ``dtype``); raises
-    ValueError naming the fix."""
+def get_kernel(
+    backend: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> AttentionKernel:
+    """The kernel for ``backend`` on ``device`` (``auto`` also looks at ``dtype`` and ``head_dim``);
+    raises ValueError naming the fix."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if backend == "auto":
-        backend = _auto_backend(device, dtype)
+        backend = _auto_backend(device, dtype, head_dim)
     if backend == "triton" and not _triton_usable(device):
         raise ValueError(
             "backend 'triton' needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 to run "

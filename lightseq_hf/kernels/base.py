@@ -31,6 +31,10 @@ from typing import Protocol
 
 import torch
 
+#: Head dims the Triton kernels compile for (padded to 128 inside); kept here so that backend
+#: selection can consult it without importing triton.
+TRITON_HEAD_DIMS = (64, 80, 96, 128)
+
 
 class AttentionKernel(Protocol):
     """A local (single-device) attention backend."""

@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 import triton
 
-from .base import check_qkv
+from .base import TRITON_HEAD_DIMS, check_qkv
 from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
 from .triton_common import LOG2E, bucket, interpreting
 from .triton_fwd import _attn_fwd
 
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
+SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

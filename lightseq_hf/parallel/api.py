@@ -81,7 +81,7 @@ def dist_flash_attn(
             f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
             "one sequence, so q, k and v shards must have the same length."
         )
-    get_kernel(backend, q.device, q.dtype)  # fail early with the backend's own error
+    get_kernel(backend, q.device, q.dtype, q.shape[-1])  # fail early with the backend's own error
     if check_shapes:
         check_same_shapes(q, k, causal, group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

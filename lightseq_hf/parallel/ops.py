@@ -59,7 +59,7 @@ def dist_attn_fwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     call_counts["forward"] += 1
-    kernel = get_kernel(backend, q.device, q.dtype)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rank, world, comm = _context(group, q.device)
     if world == 1:
@@ -94,7 +94,7 @@ def dist_attn_bwd(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call_counts["backward"] += 1
-    kernel = get_kernel(backend, q.device, q.dtype)
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     rank, world, comm = _context(group, q.device)
     return dist_attn_backward(
         dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,
