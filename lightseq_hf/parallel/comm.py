@@ -26,11 +26,11 @@ class Transfers:
 
 
 class Pending:
-    """Transfers in flight; ``wait()`` orders later compute after them."""
+    """Transfers in flight; ``wait()`` orders later compute after them (on CUDA: the current stream
+    waits, the host does not)."""
 
-    def __init__(self, works: list, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, works: list) -> None:
         self._works = works
-        self._stream = stream
 
     def wait(self) -> None:
         for work in self._works:
@@ -68,18 +68,18 @@ class PeerComm:
     def post(self, transfers: Transfers) -> Pending:
         """Start the transfers; the sends read tensors as the compute stream left them."""
         if not transfers or _mode == "compute_only":
-            return Pending([], None)
+            return Pending([])
         ops = [dist.P2POp(dist.isend, t, self._global_rank(p), self.group) for p, t in transfers.sends]
         ops += [dist.P2POp(dist.irecv, t, self._global_rank(p), self.group) for p, t in transfers.recvs]
         if self.stream is None:
-            pending = Pending(dist.batch_isend_irecv(ops), None)
+            pending = Pending(dist.batch_isend_irecv(ops))
         else:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 works = dist.batch_isend_irecv(ops)
-            pending = Pending(works, self.stream)
+            pending = Pending(works)
         if _mode == "serial":
             pending.wait()
         return pending
