@@ -110,3 +110,23 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}) "
             "for GQA/MQA; pick kv_heads dividing heads."
         )
+
+
+def merge_into(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> None:
+    """Merge ``(part_out, part_lse)`` into the running ``(out, lse)`` in place.
+
+    ``out``/``part_out`` are ``(batch, seq, heads, dim)``; ``lse``/``part_lse`` are
+    ``(batch, heads, seq)``. Rows whose lse is ``-inf`` (no key seen yet) contribute
+    nothing; a row with ``-inf`` on both sides stays ``-inf`` with a zero output.
+    """
+    new_lse = torch.logaddexp(lse, part_lse.to(lse.dtype))
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(part_lse.to(lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).add_(part_out.to(out.dtype) * w_new)
+    lse.copy_(new_lse)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .base import attention_delta
+from .base import attention_delta, merge_into
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -78,8 +78,6 @@ class ReferenceKernel:
             chunk_lse[:, :, q0:q1] = lse_blk.reshape(b, h, q1 - q0)
         if out is None:
             return chunk_out.to(q.dtype), chunk_lse.float() if acc != torch.float64 else chunk_lse
-        from ..parallel.merge import merge_into
-
         merge_into(out, lse, chunk_out, chunk_lse)
         return out, lse
 

@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from .base import check_qkv
+from .base import check_qkv, merge_into
 
 FLAVORS = ("cudnn", "flash")
 
@@ -73,8 +73,6 @@ class SdpaKernel:
         chunk_lse = res[1].reshape(q.shape[0], h, q.shape[1]).float()
         if out is None:
             return chunk_out, chunk_lse
-        from ..parallel.merge import merge_into
-
         merge_into(out, lse, chunk_out, chunk_lse)
         return out, lse
 
