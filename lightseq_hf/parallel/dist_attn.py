@@ -78,11 +78,18 @@ def _plan_fetch(
     schedule: Schedule,
     t: int,
     rank: int,
-    q_side: Callable[[Task], Bundle],
-    q_side_like: Callable[[Task], Bundle],
+    q_rows: Callable[[Task], Bundle],
     kv_side: Bundle,
 ) -> tuple[Transfers, tuple[Task | None, Bundle, Bundle]]:
-    """Transfers bringing step ``t``'s query-side and key-side tensors to whoever computes."""
+    """Transfers bringing step ``t``'s query-side and key-side tensors to whoever computes.
+
+    ``q_rows(task)`` gives views of this rank's query-side tensors for the task's rows; sent and
+    locally used rows are made contiguous, received ones land in fresh contiguous buffers.
+    """
+
+    def q_side(task: Task) -> Bundle:
+        return {name: x.contiguous() for name, x in q_rows(task).items()}
+
     step = schedule.steps[t]
     transfers = Transfers()
     for peer, task in enumerate(step):
@@ -97,7 +104,7 @@ def _plan_fetch(
     kv_in: Bundle = kv_side
     if task is not None:
         if task.q_owner != rank:
-            q_in = {name: _buffer_like(x) for name, x in q_side_like(task).items()}
+            q_in = {name: _buffer_like(x) for name, x in q_rows(task).items()}
             transfers.recvs += [(task.q_owner, x) for x in q_in.values()]
         else:
             q_in = q_side(task)
@@ -122,14 +129,11 @@ def dist_attn_forward(
     """This rank's (out in q.dtype, lse float32) of attention over the whole sequence."""
     out, lse = empty_running(q)
 
-    def q_side(task: Task) -> Bundle:
-        return {"q": _rows(q, task, 1).contiguous()}
-
-    def q_side_like(task: Task) -> Bundle:
+    def q_rows(task: Task) -> Bundle:
         return {"q": _rows(q, task, 1)}
 
     def plan_inputs(t: int):
-        return _plan_fetch(schedule, t, rank, q_side, q_side_like, {"k": k, "v": v})
+        return _plan_fetch(schedule, t, rank, q_rows, {"k": k, "v": v})
 
     def compute(t: int, inputs) -> Bundle | None:
         task, q_in, kv_in = inputs
@@ -204,7 +208,7 @@ def dist_attn_backward(
     # Kernels that cannot take delta (SDPA) get the output rows instead.
     row_stat, row_stat_dim = (out, 1) if needs_out else (delta, 2)
 
-    def q_side_like(task: Task) -> Bundle:
+    def q_rows(task: Task) -> Bundle:
         return {
             "q": _rows(q, task, 1),
             "dout": _rows(dout, task, 1),
@@ -212,11 +216,8 @@ def dist_attn_backward(
             "stat": _rows(row_stat, task, row_stat_dim),
         }
 
-    def q_side(task: Task) -> Bundle:
-        return {name: x.contiguous() for name, x in q_side_like(task).items()}
-
     def plan_inputs(t: int):
-        return _plan_fetch(schedule, t, rank, q_side, q_side_like, {"k": k, "v": v})
+        return _plan_fetch(schedule, t, rank, q_rows, {"k": k, "v": v})
 
     def compute(t: int, inputs) -> Bundle | None:
         task, q_in, kv_in = inputs
