@@ -112,9 +112,12 @@ def global_position_ids(
     return position_ids[:, shard.start:shard.end].expand(batch, -1)
 
 
-def num_loss_tokens(shifted_labels: torch.Tensor) -> int:
-    """How many (already shifted) labels are not ``-100``: the per-group loss denominator."""
-    return int((shifted_labels != IGNORE_INDEX).sum())
+def num_loss_tokens(shifted_labels: torch.Tensor) -> torch.Tensor:
+    """How many (already shifted) labels are not ``-100``: the per-group loss denominator.
+
+    A tensor on the labels' device, so computing the loss never waits on the host.
+    """
+    return (shifted_labels != IGNORE_INDEX).sum()
 
 
 def _token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, vocab: int
@@ -227,7 +230,7 @@ def group_sum(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
 
 def sequence_parallel_loss(
     local_sum: torch.Tensor,
-    num_tokens: int,
+    num_tokens: int | torch.Tensor,
     group: dist.ProcessGroup | None,
     num_items_in_batch: int | torch.Tensor | None = None,
 ) -> torch.Tensor:
