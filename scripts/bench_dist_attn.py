@@ -39,7 +39,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--no-torch-cp", action="store_true")
     p.add_argument("--no-single", action="store_true")
-    p.add_argument("--trace", action="store_true", help="write a profiler trace of ours at 64K")
+    p.add_argument("--no-ablations", action="store_true", help="skip the ring/paper/serial rows")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
+    p.add_argument("--trace", action="store_true", help="write a gzipped profiler trace of ours")
+    p.add_argument("--trace-seq", type=int, default=65536, help="total length of the traced run")
+    p.add_argument("--trace-backend", default="sdpa_cudnn", help="local kernel of the traced run")
     p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
     return p.parse_args()
 
@@ -194,7 +198,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = device_name.replace("NVIDIA ", "").replace(" ", "-").lower()
-    out_path = out_dir / f"dist-{slug}-x{world}-{date}.json"
+    tag = f"-{args.tag}" if args.tag else ""
+    out_path = out_dir / f"dist-{slug}-x{world}-{date}{tag}.json"
     rows = []
     meta = {
         "device": device_name, "world": world, "date": date, "torch": torch.__version__,
@@ -236,7 +241,7 @@ def main() -> None:
                 phase = "fwd_bwd" if with_bwd else "fwd"
                 for backend in backends:
                     variants = [("ours", "balanced", "overlap")]
-                    if main_config:
+                    if main_config and not args.no_ablations:
                         variants += [("ring", "ring", "overlap"), ("paper", "paper", "overlap"),
                                      ("no_overlap", "balanced", "serial")]
                     for name, schedule, mode in variants:
@@ -257,8 +262,8 @@ def main() -> None:
                     except Exception:  # noqa: BLE001
                         record({**base, "impl": f"compute_only_{backend}", "phase": phase,
                                 "error": traceback.format_exc(limit=3)})
-            if args.trace and n == 65536 and main_config:
-                write_trace(q, k, v, dout, backends[0], out_dir, rank)
+            if args.trace and n == args.trace_seq and main_config:
+                write_trace(q, k, v, dout, args.trace_backend, out_dir, rank, n)
             del q, k, v, dout
             torch.cuda.empty_cache()
             if not args.no_torch_cp:
@@ -290,7 +295,7 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def write_trace(q, k, v, dout, backend, out_dir, rank):
+def write_trace(q, k, v, dout, backend, out_dir, rank, n):
     from torch.profiler import ProfilerActivity, profile
 
     fn = make_ours(q, k, v, dout, backend, "balanced", True)
@@ -299,7 +304,7 @@ def write_trace(q, k, v, dout, backend, out_dir, rank):
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out_dir / f"trace-dist-64k-rank{rank}.json"))
+    prof.export_chrome_trace(str(out_dir / f"trace-dist-{n // 1024}k-{backend}-rank{rank}.json.gz"))
 
 
 def _ms(rows, **match):
@@ -331,6 +336,8 @@ def summarize(rows, world) -> dict:
             entry["efficiency"] = single / (world * ours)
         if ours_triton and single:
             entry["efficiency_triton_vs_single_cudnn"] = single / (world * ours_triton)
+        if ours_triton and cps:
+            entry["vs_torch_cp_triton"] = min(cps) / ours_triton
         if ours and compute:
             entry["comm_overhead"] = ours / compute - 1
         fwd_single = _ms(rows, impl="single_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")

@@ -9,9 +9,10 @@ Variants, same model shape and data in one run: ``remat`` (ours, rematerializati
 checkpointing), ``hf`` (ours with Hugging Face's layer checkpointing, the paper's Table 5
 ablation), ``torch_cp`` (torch's ``context_parallel`` ring attention over SDPA cuDNN with
 HF checkpointing), ``single`` (the unpatched model with SDPA cuDNN and HF checkpointing; run it
-with one process). ``--search-max-context`` doubles the length from the first of ``--seqs``
+with one process). ``--search-max-context`` tries the lengths of ``--seqs`` in ascending order
 until a step fails, per variant (run it under ``timeout``: a rank that runs out of memory
-alone would leave its peer waiting). bf16 compute, float32 master weights and optimizer state (FSDP2 mixed
+alone would leave its peer waiting). ``--merge OUT IN...`` joins results files of one model
+into OUT and recomputes its summary. bf16 compute, float32 master weights and optimizer state (FSDP2 mixed
 precision). ``--tiny`` runs a small model on CPU processes (gloo) as a smoke test.
 """
 
@@ -48,10 +49,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backend", default="sdpa_cudnn", help="our local attention kernel")
     p.add_argument("--matmul-peak", type=float, default=None, help="measured bf16 TFLOP/s (else measured)")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--plot-from", nargs="+", default=None, help="only draw a PNG from results JSONs")
     p.add_argument("--search-max-context", action="store_true",
-                   help="double the length from the first of --seqs until a step fails, per variant")
-    p.add_argument("--max-seq", type=int, default=4 * 1024 * 1024, help="upper bound of the search")
+                   help="try --seqs in ascending order until a step fails, per variant")
+    p.add_argument("--merge", nargs="+", default=None, metavar="PATH",
+                   help="OUT IN...: join the rows of results files into OUT, recompute the summary")
     return p.parse_args()
 
 
@@ -215,6 +218,9 @@ def main() -> None:
     if args.plot_from:
         plot(args.plot_from)
         return
+    if args.merge:
+        merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]])
+        return
     cuda = torch.cuda.is_available() and args.model != "tiny"
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
@@ -231,7 +237,8 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"train-{slug}-x{world}-{date}{'' if args.model == '7b' else '-' + args.model}.json"
+    suffix = "".join(f"-{x}" for x in (args.model if args.model != "7b" else "", args.tag) if x)
+    path = out / f"train-{slug}-x{world}-{date}{suffix}.json"
     peak_measured = args.matmul_peak * 1e12 if args.matmul_peak else (measure_matmul_peak() if cuda else None)
     import transformers
 
@@ -246,15 +253,13 @@ def main() -> None:
     variants = args.variants.split(",")
     if "single" in variants and world != 1:
         raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
-    if args.search_max_context:  # each variant doubles the length until a step fails
+    if args.search_max_context:  # each variant climbs the lengths until a step fails
         for variant in variants:
-            n = seqs[0]
-            while n <= args.max_seq:
+            for n in sorted(seqs):
                 row = measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=True)
                 record(row, rows, rank, meta, path, world)
                 if "step_s" not in row:
                     break
-                n *= 2
     else:
         for n in seqs:
             for variant in variants:
@@ -280,7 +285,8 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
         result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world)
         sec, peaks, loss = result
         flops = model_flops(shape, n)
-        row.update(step_s=sec, tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
+        row.update(step_s=sec, timed_steps=max(args.steps - 1, 1), includes_warmup=args.steps == 1,
+                   tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
                    mfu=flops / sec / world / PEAK_BF16)
         if peak_measured:
             row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
@@ -294,6 +300,20 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
     if cuda:
         torch.cuda.empty_cache()
     return row
+
+
+def merge(out: Path, inputs: list[Path]) -> None:
+    """Join the rows of several runs of one model into ``out``; each row keeps its run's date."""
+    results = [json.loads(p.read_text()) for p in inputs]
+    if len({r["model"] for r in results}) != 1 or len({r["world"] for r in results}) != 1:
+        raise SystemExit("--merge joins runs of one model and one world size")
+    rows = []
+    for p, res in zip(inputs, results):
+        rows += [{"run": p.name, **r} for r in res["rows"]]
+    meta = {k: v for k, v in results[0].items() if k not in ("rows", "summary")}
+    meta["notes"] += ("; rows joined from several runs (the 'run' key); the variants of one length "
+                       "ran together")
+    out.write_text(json.dumps({**meta, "rows": rows, "summary": summarize(rows, meta["world"])}, indent=1))
 
 
 def summarize(rows, world) -> dict:
@@ -311,15 +331,17 @@ def summarize(rows, world) -> dict:
     ours, cp = step("remat", 131072), step("torch_cp", 131072)
     summary["vs_torch_cp_128k"] = cp / ours if ours and cp else None
 
-    def longest(variant: str, searched: bool):
-        return max((r["seq"] for r in rows if r["variant"] == variant and "step_s" in r
-                    and r.get("search", False) == searched), default=None)
-
     for name, variant in (("ours", "remat"), ("torch_cp", "torch_cp"), ("single", "single")):
+        trained = [r["seq"] for r in rows if r["variant"] == variant and "step_s" in r]
+        failed = [r["seq"] for r in rows if r["variant"] == variant and r.get("error") == "out of memory"]
         if any(r["variant"] == variant and r.get("search") for r in rows):
-            # the longest length that trained: twice it failed, or passed --max-seq
-            summary[f"max_context_{name}"] = longest(variant, True)
-        summary[f"longest_measured_{name}"] = longest(variant, False)
+            # the longest length that trained, below the shortest that failed (the search's resolution)
+            summary[f"max_context_{name}"] = max(trained, default=None)
+            summary[f"first_failed_context_{name}"] = min(failed, default=None)
+        else:
+            summary[f"longest_measured_{name}"] = max(trained, default=None)
+    ours, cp = summary.get("max_context_ours"), summary.get("max_context_torch_cp")
+    summary["max_context_ours_vs_torch_cp"] = ours / cp if ours and cp else None
     r128 = [r for r in rows if r["variant"] == "remat" and r["seq"] == 131072 and "mfu" in r]
     summary["mfu_128k"] = r128[0]["mfu"] if r128 else None
     return summary

@@ -1,34 +1,45 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
-# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search|all]
+# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search-ours|search-cp|all]
+#   tests        the GPU test modules
+#   dist         distributed attention with the Triton kernel against torch CP and one GPU, plus a
+#                trace of the cuDNN run at 32K (the cuDNN rows: --backends sdpa_cudnn,triton)
+#   train        training steps at 32K, the GQA and 33-head models at 64K, one GPU's longest context
+#   search-ours  256K and up until a step fails, ours (one step each, warm-up included)
+#   search-cp    the same for torch context parallel
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search|all]}
+out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search-ours|search-cp|all]}
 part=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 mkdir -p "$out"
 run() { echo "== $*"; "$@"; }
+# train SECONDS NPROC ARGS...: a training benchmark under a time limit (a rank left alone by an
+# out-of-memory peer would otherwise wait forever)
+train() { local limit=$1 n=$2; shift 2
+  run timeout "$limit" torchrun --nproc_per_node "$n" scripts/bench_train.py "$@" 2>&1 \
+    | grep -E '^\{|Error' | cut -c1-400; }
 if [[ $part == tests || $part == all ]]; then
-  run python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -15
+  run timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -15
 fi
 if [[ $part == dist || $part == all ]]; then
-  run timeout 600 torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends sdpa_cudnn,triton \
-    --reps 3 --out "$out" 2>&1 | tail -40
+  run timeout 500 torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends triton \
+    --no-ablations --tag triton --reps 3 --trace --trace-seq 32768 --out "$out" 2>&1 | tail -30
 fi
 if [[ $part == train || $part == all ]]; then
-  run timeout 600 torchrun --nproc_per_node "$gpus" scripts/bench_train.py --seqs 65536,131072 \
-    --variants remat,hf,torch_cp --steps 2 --out "$out" 2>&1 | grep '^{'
+  train 200 "$gpus" --seqs 32768 --variants remat,hf,torch_cp --steps 3 --tag 32k --out "$out"
   for model in 7b-gqa 7b-33h; do
-    run timeout 300 torchrun --nproc_per_node "$gpus" scripts/bench_train.py --model "$model" --seqs 65536 \
-      --variants remat,torch_cp --steps 2 --out "$out" 2>&1 | grep '^{'
+    train 150 "$gpus" --model "$model" --seqs 65536 --variants remat,torch_cp --steps 2 --out "$out"
   done
+  train 200 1 --search-max-context --seqs 8192,16384,32768,65536 --variants single --steps 2 \
+    --out "$out/single"
 fi
-if [[ $part == search || $part == all ]]; then
-  run timeout 900 torchrun --nproc_per_node "$gpus" scripts/bench_train.py --search-max-context \
-    --seqs 131072 --variants remat,torch_cp --steps 1 --out "$out/search" 2>&1 | grep '^{'
-  run timeout 600 torchrun --nproc_per_node 1 scripts/bench_train.py --search-max-context --seqs 16384 \
-    --variants single --steps 1 --out "$out/single" 2>&1 | grep '^{'
-fi
+for which in ours:remat cp:torch_cp; do
+  if [[ $part == "search-${which%%:*}" || $part == all ]]; then
+    train 580 "$gpus" --search-max-context --seqs 262144,294912,327680,393216 --variants "${which#*:}" \
+      --steps 1 --tag "search-${which%%:*}" --out "$out"
+  fi
+done
