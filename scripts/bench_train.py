@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--plot-from", nargs="+", default=None, help="only draw a PNG from results JSONs")
     p.add_argument("--search-max-context", action="store_true",
-                   help="try --seqs in ascending order until a step fails, per variant")
+                   help="try --seqs in ascending order until a step fails, per variant (--steps >= 2)")
     p.add_argument("--merge", nargs="+", default=None, metavar="PATH",
                    help="OUT IN...: join the rows of results files into OUT, recompute the summary")
     return p.parse_args()
@@ -194,12 +194,12 @@ def plot(paths: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     results = [json.loads(Path(p).read_text()) for p in paths]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     labels, times, mems = [], [], []
     for res in results:
         for r in res["rows"]:
             if "step_s" in r:
-                labels.append(f"{res['model']} {r['seq'] // 1024}K\n{r['variant']}")
+                labels.append(f"{res['model']} {r['seq'] // 1024}K {r['variant']}")
                 times.append(r["step_s"])
                 mems.append(max(m for m in r["peak_gib"] if m is not None))
     axes[0].bar(range(len(times)), times)
@@ -207,7 +207,7 @@ def plot(paths: list[str]) -> None:
     axes[1].bar(range(len(mems)), mems, color="tab:orange")
     axes[1].set_ylabel("peak memory per GPU (GiB)")
     for ax in axes:
-        ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=45, ha="right")
+        ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=90)
     fig.suptitle(f"training step, {results[0]['device']} x{results[0]['world']}, FSDP2 + AdamW, bf16")
     fig.tight_layout()
     fig.savefig(Path(paths[0]).with_suffix(".png"), dpi=110)
@@ -244,13 +244,17 @@ def main() -> None:
 
     meta = {"device": name, "world": world, "date": date, "torch": torch.__version__,
             "transformers": transformers.__version__, "model": args.model, "shape": shape,
-            "backend": args.backend, "matmul_peak_tflops": peak_measured / 1e12 if peak_measured else None,
+            "backend": args.backend, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "matmul_peak_tflops": peak_measured / 1e12 if peak_measured else None,
             "notes": "FSDP2 (bf16 params, fp32 reduce and master weights), AdamW, batch 1, gradient "
                      "checkpointing on in every variant; times: median step of the slowest rank after "
                      "one warm-up step"}
     rows = []
     seqs = [int(s) for s in args.seqs.split(",")]
     variants = args.variants.split(",")
+    if args.search_max_context and args.steps < 2:
+        raise SystemExit("--search-max-context needs --steps 2 or more: a length only trains if a step "
+                         "with the AdamW state already allocated fits")
     if "single" in variants and world != 1:
         raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
     if args.search_max_context:  # each variant climbs the lengths until a step fails
@@ -293,6 +297,8 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
     except Exception as err:  # noqa: BLE001 - recorded in the results
         oom = "out of memory" in str(err)
         row["error"] = "out of memory" if oom else traceback.format_exc(limit=4)
+        if oom:  # the allocator's account: the request, the free and the reserved-but-unused bytes
+            row["oom_message"] = str(err).splitlines()[0][:400]
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -328,8 +334,9 @@ def summarize(rows, world) -> dict:
     summary["remat_vs_hf_ckpt_32k_per_gpu"] = hf / remat if remat and hf else None
     ours, cp = step("remat", 65536), step("torch_cp", 65536)
     summary["vs_torch_cp_64k"] = cp / ours if ours and cp else None
-    ours, cp = step("remat", 131072), step("torch_cp", 131072)
-    summary["vs_torch_cp_128k"] = cp / ours if ours and cp else None
+    for n in (131072, 262144):
+        ours, cp = step("remat", n), step("torch_cp", n)
+        summary[f"vs_torch_cp_{n // 1024}k"] = cp / ours if ours and cp else None
 
     for name, variant in (("ours", "remat"), ("torch_cp", "torch_cp"), ("single", "single")):
         trained = [r["seq"] for r in rows if r["variant"] == variant and "step_s" in r]
@@ -340,6 +347,9 @@ def summarize(rows, world) -> dict:
             summary[f"first_failed_context_{name}"] = min(failed, default=None)
         else:
             summary[f"longest_measured_{name}"] = max(trained, default=None)
+    if any(r.get("search") and r.get("includes_warmup") for r in rows):
+        # a one-step probe ran before AdamW allocated its state: steady-state limits may be lower
+        summary["max_context_first_step_only"] = True
     ours, cp = summary.get("max_context_ours"), summary.get("max_context_torch_cp")
     summary["max_context_ours_vs_torch_cp"] = ours / cp if ours and cp else None
     r128 = [r for r in rows if r["variant"] == "remat" and r["seq"] == 131072 and "mfu" in r]

@@ -5,7 +5,7 @@
 #   dist         distributed attention with the Triton kernel against torch CP and one GPU, plus a
 #                trace of the cuDNN run at 32K (the cuDNN rows: --backends sdpa_cudnn,triton)
 #   train        training steps at 32K, the GQA and 33-head models at 64K, one GPU's longest context
-#   search-ours  256K and up until a step fails, ours (one step each, warm-up included)
+#   search-ours  256K and up until a step fails, ours (two steps: the second has AdamW state)
 #   search-cp    the same for torch context parallel
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
@@ -30,7 +30,7 @@ if [[ $part == dist || $part == all ]]; then
     --no-ablations --tag triton --reps 3 --trace --trace-seq 32768 --out "$out" 2>&1 | tail -30
 fi
 if [[ $part == train || $part == all ]]; then
-  train 200 "$gpus" --seqs 32768 --variants remat,hf,torch_cp --steps 3 --tag 32k --out "$out"
+  train 200 "$gpus" --seqs 32768 --variants remat,hf,torch_cp --steps 2 --tag 32k --out "$out"
   for model in 7b-gqa 7b-33h; do
     train 150 "$gpus" --model "$model" --seqs 65536 --variants remat,torch_cp --steps 2 --out "$out"
   done
@@ -39,7 +39,7 @@ if [[ $part == train || $part == all ]]; then
 fi
 for which in ours:remat cp:torch_cp; do
   if [[ $part == "search-${which%%:*}" || $part == all ]]; then
-    train 580 "$gpus" --search-max-context --seqs 262144,294912,327680,393216 --variants "${which#*:}" \
-      --steps 1 --tag "search-${which%%:*}" --out "$out"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 590 "$gpus" --search-max-context \
+      --seqs 262144,294912,327680 --variants "${which#*:}" --steps 2 --tag "search-${which%%:*}" --out "$out"
   fi
 done
