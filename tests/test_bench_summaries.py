@@ -1,0 +1,89 @@
+"""The benchmark scripts' summaries: the README's headline numbers are computed by these functions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_train():
+    return _load("bench_train")
+
+
+def _row(variant, seq, step_s=None, error=None, search=False, warmup=False):
+    row = {"variant": variant, "seq": seq, "search": search, "includes_warmup": warmup}
+    if step_s is not None:
+        row.update(step_s=step_s, mfu=0.5)
+    else:
+        row["error"] = error
+    return row
+
+
+def test_train_summary_ratios_and_search(bench_train):
+    rows = [
+        _row("remat", 65536, 8.0), _row("hf", 65536, 10.0), _row("torch_cp", 65536, 9.0),
+        _row("remat", 131072, 20.0), _row("torch_cp", 131072, 25.0),
+        _row("remat", 262144, 70.0, search=True), _row("remat", 294912, error="out of memory", search=True),
+        _row("torch_cp", 262144, 90.0, search=True),
+        _row("torch_cp", 294912, error="Traceback: some bug", search=True),  # not a memory limit
+    ]
+    s = bench_train.summarize(rows, world=2)
+    assert s["remat_vs_hf_ckpt_32k_per_gpu"] == pytest.approx(10 / 8)
+    assert s["vs_torch_cp_64k"] == pytest.approx(9 / 8)
+    assert s["vs_torch_cp_128k"] == pytest.approx(25 / 20)
+    assert s["vs_torch_cp_256k"] == pytest.approx(90 / 70)
+    assert s["max_context_ours"] == 262144 and s["first_failed_context_ours"] == 294912
+    # a crash is not an out-of-memory bound: no first failure is claimed
+    assert s["max_context_torch_cp"] == 262144 and s["first_failed_context_torch_cp"] is None
+    assert s["max_context_ours_vs_torch_cp"] == 1.0
+    assert s["mfu_128k"] == 0.5
+    assert "max_context_first_step_only" not in s
+    rows.append(_row("remat", 327680, error="out of memory", search=True, warmup=True))
+    assert bench_train.summarize(rows, world=2)["max_context_first_step_only"] is True
+
+
+def test_train_merge_keeps_rows_and_refuses_mixed_models(bench_train, tmp_path):
+    meta = {"model": "7b", "world": 2, "notes": "n"}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({**meta, "rows": [_row("remat", 65536, 8.0)]}))
+    b.write_text(json.dumps({**meta, "rows": [_row("torch_cp", 65536, 9.0)]}))
+    out = tmp_path / "out.json"
+    bench_train.merge(out, [a, b])
+    merged = json.loads(out.read_text())
+    assert [r["run"] for r in merged["rows"]] == ["a.json", "b.json"]
+    assert merged["summary"]["vs_torch_cp_64k"] == pytest.approx(9 / 8)
+    b.write_text(json.dumps({**meta, "model": "7b-gqa", "rows": []}))
+    with pytest.raises(SystemExit, match="one model"):
+        bench_train.merge(out, [a, b])
+
+
+def test_dist_summary_uses_fastest_torch_cp_and_lengths_from_64k():
+    bench = _load("bench_dist_attn")
+
+    def row(impl, seq, ms, phase="fwd_bwd"):
+        return {"impl": impl, "seq": seq, "heads": 32, "kv_heads": 32, "phase": phase, "ms": ms}
+
+    rows = []
+    for seq, ours, ag, a2a, single, compute in ((32768, 40, 30, 35, 60, 38), (65536, 100, 110, 105, 190, 98),
+                                                (131072, 400, 420, 410, 760, 390)):
+        rows += [row("ours_sdpa_cudnn", seq, ours), row("torch_cp_allgather_cudnn", seq, ag),
+                 row("torch_cp_alltoall_cudnn", seq, a2a), row("single_cudnn", seq, single),
+                 row("compute_only_sdpa_cudnn", seq, compute)]
+    s = bench.summarize(rows, world=2)
+    assert s["vs_torch_cp_min"] == pytest.approx(410 / 400)  # 32K (0.75) is not counted
+    assert s["efficiency_128k"] == pytest.approx(760 / 800)
+    assert s["efficiency_32k"] == pytest.approx(60 / 80)
+    assert s["comm_overhead_64k"] == pytest.approx(100 / 98 - 1)
