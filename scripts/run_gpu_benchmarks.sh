@@ -2,8 +2,8 @@
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
 # Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search-ours|search-cp|all]
 #   tests        the GPU test modules
-#   dist         distributed attention with the Triton kernel against torch CP and one GPU, plus a
-#                trace of the cuDNN run at 32K (the cuDNN rows: --backends sdpa_cudnn,triton)
+#   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
+#                (BACKENDS=triton: the Triton local kernel, in its own results file)
 #   train        training steps at 32K, the GQA and 33-head models at 64K, one GPU's longest context
 #   search-ours  longest context of ours: lengths in ascending order until a step fails
 #   search-cp    the same for torch context parallel
@@ -16,6 +16,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 mkdir -p "$out"
+# A benchmark sharing the GPUs measures the other process too (a call cut off at its time limit can
+# leave its workers running): refuse to start rather than record such times.
+busy=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr '\n' ' ')
+if [[ -n ${busy// /} ]]; then
+  echo "the GPUs are in use by processes $busy; stop them (kill PID) and run again" >&2
+  exit 1
+fi
 run() { echo "== $*"; "$@"; }
 # train SECONDS NPROC ARGS...: a training benchmark under a time limit (a rank left alone by an
 # out-of-memory peer would otherwise wait forever)
@@ -26,8 +33,11 @@ if [[ $part == tests || $part == all ]]; then
   run timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -15
 fi
 if [[ $part == dist || $part == all ]]; then
-  run timeout 500 torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends triton \
-    --no-ablations --tag triton --reps 3 --trace --trace-seq 32768 --out "$out" 2>&1 | tail -30
+  # BACKENDS=sdpa_cudnn (default) gives the ablations too; another local kernel gets its own file
+  backends=${BACKENDS:-sdpa_cudnn} extra=()
+  [[ $backends == sdpa_cudnn ]] || extra=(--no-ablations --tag "${backends//,/-}")
+  run timeout 580 torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends "$backends" \
+    "${extra[@]}" --reps 3 --trace --trace-seq 32768 --out "$out" 2>&1 | tail -30
 fi
 if [[ $part == train || $part == all ]]; then
   train 200 "$gpus" --seqs 32768 --variants remat,hf,torch_cp --steps 2 --tag 32k --out "$out"

@@ -110,3 +110,35 @@ def test_enabled_before_patching_and_unpatch_restores():
             assert module._gradient_checkpointing_func is hf_funcs[name]
     assert model.config._attn_implementation == "eager"
     assert _step(model, ids)[2] == {"forward": 0, "backward": 0}  # HF's own attention again
+
+
+
+def test_offloading_checkpoint_function_keeps_remat():
+    """A checkpoint function that keeps its saved tensors in host memory (what Transformers'
+    ``activation_checkpointing_enable(offload=True)`` builds on GPUs) still gets the remat policy."""
+    import functools
+
+    from tiny_models import make_batch, make_model
+    from torch.autograd.graph import save_on_cpu
+
+    import lightseq_hf
+
+    def offloading_checkpoint(function, *args, **kwargs):
+        with save_on_cpu(pin_memory=False):  # HF pins; pinned memory needs an accelerator
+            return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+
+    ids, _ = make_batch(1, 32, seed=3)
+    lightseq_hf.patch_llama()
+    model = make_model("llama", layers=2)
+    loss0, grads0, _ = _step(model, ids)
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    for module in layers:
+        module._gradient_checkpointing_func = functools.partial(offloading_checkpoint, use_reentrant=True)
+    lightseq_hf.patch_model(model)  # re-routes: non-reentrant, remat policy, the offload kept
+    assert all(m._gradient_checkpointing_func.args[0].func is offloading_checkpoint for m in layers)
+    loss1, grads1, calls = _step(model, ids)
+    assert calls == {"forward": 2, "backward": 2}
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads1[name]), name
