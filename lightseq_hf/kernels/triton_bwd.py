@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, tune_bench
+from .triton_common import configs, key_ranges, tune_bench, visible
 
 DKDV_CONFIGS = configs(
     [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
@@ -308,9 +308,7 @@ def _dq_step(
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK:
-        keep = (start_n + offs_n)[None, :] < Lk
-        if CAUSAL:
-            keep = keep & ((start_n + offs_n)[None, :] <= offs_m[:, None] + shift)
+        keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
         p = tl.where(keep, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])

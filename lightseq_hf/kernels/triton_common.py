@@ -60,6 +60,17 @@ def key_ranges(m0, Lq, Lk, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
     return full_hi, hi
 
 
+@triton.jit
+def visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL: tl.constexpr):
+    """Mask of the keys ``start_n + offs_n`` that query rows ``offs_m`` see: inside the sequence
+    and, when causal, at most ``row + shift`` (bottom-right alignment, as in :func:`key_ranges`)."""
+    cols = (start_n + offs_n)[None, :]
+    keep = cols < Lk
+    if CAUSAL:
+        keep = keep & (cols <= offs_m[:, None] + shift)
+    return keep
+
+
 def tune_bench(fn, quantiles=None):
     """Short timing for the autotuner (its default spends ~125 ms per config)."""
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, tune_bench
+from .triton_common import configs, key_ranges, tune_bench, visible
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
@@ -46,9 +46,7 @@ def _fwd_step(
     v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if MASK:
-        keep = (start_n + offs_n)[None, :] < Lk
-        if CAUSAL:
-            keep = keep & ((start_n + offs_n)[None, :] <= offs_m[:, None] + shift)
+        keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
