@@ -45,6 +45,11 @@ def main() -> None:
     result = trainer.train()
     if trainer.is_world_process_zero():
         print(f"trainer_example: {result.global_step} steps, final train loss {result.training_loss:.4f}")
+    # Trainer leaves the process group alive; torch's gloo backend can abort at interpreter exit
+    # ("terminate called without an active exception") unless it is destroyed, after a barrier.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
