@@ -11,9 +11,11 @@ ablation), ``torch_cp`` (torch's ``context_parallel`` ring attention over SDPA c
 HF checkpointing), ``single`` (the unpatched model with SDPA cuDNN and HF checkpointing; run it
 with one process). ``--search-max-context`` tries the lengths of ``--seqs`` in ascending order
 until a step fails, per variant (run it under ``timeout``: a rank that runs out of memory
-alone would leave its peer waiting). ``--merge OUT IN...`` joins results files of one model
-into OUT and recomputes its summary. bf16 compute, float32 master weights and optimizer state (FSDP2 mixed
-precision). ``--tiny`` runs a small model on CPU processes (gloo) as a smoke test.
+alone would leave its peer waiting); its probes allocate the AdamW state before the first
+step, so one step per length holds everything a steady-state step holds. ``--merge OUT IN...``
+joins results files of one model into OUT and recomputes its summary. bf16 compute, float32 master
+weights and optimizer state (FSDP2 mixed precision). ``--model tiny`` runs a small model on CPU
+processes (gloo) as a smoke test.
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--plot-from", nargs="+", default=None, help="only draw a PNG from results JSONs")
     p.add_argument("--search-max-context", action="store_true",
-                   help="try --seqs in ascending order until a step fails, per variant (--steps >= 2)")
+                   help="try --seqs in ascending order until a step fails, per variant (the AdamW "
+                        "state is allocated before the first step, so --steps 1 is a full probe)")
     p.add_argument("--merge", nargs="+", default=None, metavar="PATH",
                    help="OUT IN...: join the rows of results files into OUT, recompute the summary")
     return p.parse_args()
@@ -94,8 +97,23 @@ def shard(model, device):
     return model
 
 
-def run_variant(variant, shape, n, steps, backend, device, rank, world):
-    """Median step seconds and peak memory (GiB) of one variant."""
+def allocate_adamw_state(opt: torch.optim.AdamW) -> None:
+    """Give every parameter the state AdamW's first ``step()`` would create (step 0, zero moments),
+    so that a first step already holds a steady-state step's memory. The updates are unchanged
+    (tests/test_bench_summaries.py)."""
+    for group in opt.param_groups:
+        if group["amsgrad"] or group["capturable"] or group["fused"]:
+            raise ValueError("allocate_adamw_state covers plain AdamW (no amsgrad/capturable/fused)")
+        for p in group["params"]:
+            if p.requires_grad and not opt.state[p]:
+                opt.state[p] = {"step": torch.tensor(0.0),
+                                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False):
+    """Median step seconds and peak memory (GiB) of one variant (``preallocate``: AdamW state
+    allocated before the first step)."""
     import lightseq_hf
 
     torch.manual_seed(0)
@@ -108,6 +126,8 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world):
     model.gradient_checkpointing_enable()
     model = shard(model, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    if preallocate:
+        allocate_adamw_state(opt)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape[5], (1, n), generator=g).to(device)
 
@@ -252,11 +272,11 @@ def main() -> None:
     rows = []
     seqs = [int(s) for s in args.seqs.split(",")]
     variants = args.variants.split(",")
-    if args.search_max_context and args.steps < 2:
-        raise SystemExit("--search-max-context needs --steps 2 or more: a length only trains if a step "
-                         "with the AdamW state already allocated fits")
     if "single" in variants and world != 1:
         raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
+    if "torch_cp" in variants and not cuda:
+        raise SystemExit("the 'torch_cp' variant needs GPUs: torch's context_parallel shards only the "
+                         "flash, efficient and cuDNN SDPA kernels; drop it from --variants on CPU")
     if args.search_max_context:  # each variant climbs the lengths until a step fails
         for variant in variants:
             for n in sorted(seqs):
@@ -286,10 +306,12 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
     """One variant at one length: a results row (an ``error`` entry when the step failed)."""
     row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
     try:
-        result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world)
+        result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world,
+                             preallocate=search)
         sec, peaks, loss = result
         flops = model_flops(shape, n)
         row.update(step_s=sec, timed_steps=max(args.steps - 1, 1), includes_warmup=args.steps == 1,
+                   optimizer_state_preallocated=search,
                    tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
                    mfu=flops / sec / world / PEAK_BF16)
         if peak_measured:
@@ -347,7 +369,8 @@ def summarize(rows, world) -> dict:
             summary[f"first_failed_context_{name}"] = min(failed, default=None)
         else:
             summary[f"longest_measured_{name}"] = max(trained, default=None)
-    if any(r.get("search") and r.get("includes_warmup") for r in rows):
+    if any(r.get("search") and r.get("includes_warmup") and not r.get("optimizer_state_preallocated")
+           for r in rows):
         # a one-step probe ran before AdamW allocated its state: steady-state limits may be lower
         summary["max_context_first_step_only"] = True
     ours, cp = summary.get("max_context_ours"), summary.get("max_context_torch_cp")

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
-# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search-ours|search-cp|all]
+# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search|search-ours|search-cp|all]
 #   tests        the GPU test modules
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
 #   train        training steps at 32K, the GQA and 33-head models at 64K, one GPU's longest context
 #   search-ours  longest context of ours: lengths in ascending order until a step fails
 #   search-cp    the same for torch context parallel
+#   search       both searches
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search-ours|search-cp|all]}
+out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train|search|search-ours|search-cp|all]}
 part=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -47,13 +48,13 @@ if [[ $part == train || $part == all ]]; then
   train 200 1 --search-max-context --seqs 8192,16384,32768,65536 --variants single --steps 2 \
     --out "$out/single"
 fi
-# The searches take two steps per length (the second with AdamW state), about 3-5 minutes per length
-# at 256K-320K; SEQS overrides each one's ladder so that a call fits in 10 minutes.
-if [[ $part == search-ours || $part == all ]]; then
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 590 "$gpus" --search-max-context \
-    --seqs "${SEQS:-262144,294912}" --variants remat --steps 2 --tag search-ours --out "$out"
+# A search probe is one step with the AdamW state allocated first (1.5-2.5 minutes per length at
+# 256K-320K, model set-up included); SEQS overrides each one's ladder.
+if [[ $part == search-ours || $part == search || $part == all ]]; then
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 280 "$gpus" --search-max-context \
+    --seqs "${SEQS:-262144,294912}" --variants remat --steps 1 --tag search-ours --out "$out"
 fi
-if [[ $part == search-cp || $part == all ]]; then
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 590 "$gpus" --search-max-context \
-    --seqs "${SEQS:-294912,327680}" --variants torch_cp --steps 2 --tag search-cp --out "$out"
+if [[ $part == search-cp || $part == search || $part == all ]]; then
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 300 "$gpus" --search-max-context \
+    --seqs "${SEQS:-294912,327680}" --variants torch_cp --steps 1 --tag search-cp --out "$out"
 fi

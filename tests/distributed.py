@@ -39,6 +39,7 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
                             **kwargs)
     try:
         result = fn(rank, world, *args)
+        dist.barrier()  # all ranks done before any tears the group down (gloo may hang or abort if not)
     except Exception:
         result = [f"rank {rank} raised:\n{traceback.format_exc()}"]
     finally:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +53,33 @@ def test_train_summary_ratios_and_search(bench_train):
     assert s["max_context_ours_vs_torch_cp"] == 1.0
     assert s["mfu_128k"] == 0.5
     assert "max_context_first_step_only" not in s
+    # a one-step probe holds a steady-state step's memory only if the AdamW state came first
+    probe = {**_row("remat", 327680, 90.0, search=True, warmup=True), "optimizer_state_preallocated": True}
+    assert "max_context_first_step_only" not in bench_train.summarize(rows + [probe], world=2)
     rows.append(_row("remat", 327680, error="out of memory", search=True, warmup=True))
     assert bench_train.summarize(rows, world=2)["max_context_first_step_only"] is True
+
+
+def test_preallocated_adamw_state_gives_identical_updates(bench_train):
+    """The search's probes allocate AdamW's state up front: same memory as a later step, same
+    parameters after every step as the lazily allocated state."""
+    torch.manual_seed(0)
+    lazy_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    eager_model = copy.deepcopy(lazy_model)
+    lazy = torch.optim.AdamW(lazy_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    eager = torch.optim.AdamW(eager_model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
+    bench_train.allocate_adamw_state(eager)
+    assert all(len(eager.state[p]) == 3 for p in eager_model.parameters())
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        for model, opt in ((lazy_model, lazy), (eager_model, eager)):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for a, b in zip(lazy_model.parameters(), eager_model.parameters()):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="amsgrad"):
+        bench_train.allocate_adamw_state(torch.optim.AdamW(lazy_model.parameters(), amsgrad=True))
 
 
 def test_train_merge_keeps_rows_and_refuses_mixed_models(bench_train, tmp_path):
