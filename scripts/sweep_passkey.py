@@ -4,14 +4,14 @@ Held-out retrieval accuracy every 25 steps for needle_repeat x lr x batch x laye
 configs/tiny.yaml model shape at 4096 tokens; it chose tiny.yaml's settings. Results of the run quoted
 in the README: benchmarks/results/passkey-sweep-h100-2026-11-22.jsonl.
 
-    OUT=/tmp STEPS=400 python scripts/sweep_passkey.py
+    python scripts/sweep_passkey.py --out /tmp --steps 400
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -66,13 +66,20 @@ def run(rep: int, lr: float, bs: int, layers: int, filler: str, steps: int = 400
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="/tmp", help="folder of sweep.jsonl (appended to)")
+    parser.add_argument("--steps", type=int, default=400, help="training steps per configuration")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("the sweep trains 16 configurations on one GPU; no CUDA GPU is visible")
     grid = [(rep, lr, bs, 2, "repeat") for rep in (1, 8, 32) for lr in (3e-3, 1e-2) for bs in (2, 4)]
     grid += [(8, 3e-3, 2, 1, "repeat"), (8, 1e-2, 2, 1, "repeat"), (8, 3e-3, 2, 2, "random"),
              (32, 3e-3, 2, 2, "random")]
-    out = Path(os.environ.get("OUT", "/tmp")) / "sweep.jsonl"
+    out = Path(args.out) / "sweep.jsonl"
     t0 = time.time()
     for g in grid:
-        accs = run(*g, steps=int(os.environ.get("STEPS", 400)))
+        accs = run(*g, steps=args.steps)
         rec = {"rep": g[0], "lr": g[1], "bs": g[2], "layers": g[3], "filler": g[4], "accs": accs,
                "t": round(time.time() - t0)}
         print(json.dumps(rec), flush=True)

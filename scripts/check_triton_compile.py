@@ -1,0 +1,113 @@
+"""Compile the Triton attention kernels for a GPU architecture on a machine without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which executes their Python semantics but
+never lowers them. This script lowers every kernel variant (forward, delta, dK/dV, dQ; causal or
+not; fresh or accumulating) to PTX with Triton's own compiler and ptxas, for ``--arch`` (90: H100
+and H200, 80: A100), so a change that would not compile on a GPU fails here. ``--digest`` prints
+one hash per variant of the PTX instructions (debug lines and labels dropped): equal digests before
+and after a refactor mean the GPU runs identical code.
+
+    python scripts/check_triton_compile.py --arch 90 --all-configs --digest
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's kernels cannot be lowered
+    raise SystemExit("unset TRITON_INTERPRET: this script compiles the kernels, it does not interpret them")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from lightseq_hf.kernels import triton_bwd, triton_fwd  # noqa: E402
+
+FLOAT_ARGS = ("qk_scale", "scale")
+
+
+def signature(fn, pointers: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """Triton signature of ``fn``: the given pointer types, fp32 scales, i32 for every other integer."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        else:
+            sig[name] = "fp32" if name in FLOAT_ARGS else "i32"
+    return sig
+
+
+def instructions(ptx: str) -> str:
+    """The PTX without what only debug information changes: .loc/.file lines, debug sections, labels."""
+    ptx = ptx.split("\t.section\t.debug")[0]
+    lines = []
+    for line in ptx.splitlines():
+        stripped = line.strip()
+        if not stripped or re.match(r"\.(loc|file)\b", stripped) or re.fullmatch(r"\$L__\w+:", stripped):
+            continue
+        lines.append(re.sub(r"\$L__\w+", "L", line))
+    return "\n".join(lines)
+
+
+def variants(dtype: str, head_dim: int, all_configs: bool):
+    """(name, jit function, pointer types, constexprs, num_warps, num_stages) of every variant."""
+    el = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
+    d_pad = triton.next_power_of_2(head_dim)
+    yield ("delta", triton_bwd._delta_kernel, {"Out": el, "DOut": el, "Delta": "*fp32"},
+           {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_M": 64}, 4, 3)
+    grads = {"DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
+    kernels = (("fwd", triton_fwd._attn_fwd, triton_fwd.FWD_CONFIGS),
+               ("dkdv", triton_bwd._attn_bwd_dkdv, triton_bwd.DKDV_CONFIGS),
+               ("dq", triton_bwd._attn_bwd_dq, triton_bwd.DQ_CONFIGS))
+    for causal in (True, False):
+        for accum in (False, True):
+            base = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "CAUSAL": causal, "ACCUM": accum, "PREC": "tf32"}
+            pointers = {"Q": el, "K": el, "V": el, "DO": el, "Lse": "*fp32", "Delta": "*fp32",
+                        "Out": "*fp32" if accum else el, **grads}
+            for name, kernel, configs in kernels:
+                for cfg in configs if all_configs else configs[:1]:
+                    kw = cfg.kwargs
+                    tiles = f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"
+                    label = f"{name} causal={causal} accum={accum} {tiles}"
+                    yield label, kernel.fn, pointers, {**base, **cfg.kwargs}, cfg.num_warps, cfg.num_stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90,
+                        help="compute capability x 10 (90: Hopper, 80: Ampere)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--all-configs", action="store_true",
+                        help="every autotune config, not only the first")
+    parser.add_argument("--digest", action="store_true",
+                        help="print a hash of each variant's PTX instructions")
+    args = parser.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    count = 0
+    for label, fn, pointers, constexprs, warps, stages in variants(args.dtype, args.head_dim,
+                                                                   args.all_configs):
+        source = ASTSource(fn, signature(fn, pointers, constexprs), constexprs=constexprs)
+        options = {"num_warps": warps, "num_stages": stages}
+        try:
+            compiled = triton.compile(source, target=target, options=options)
+        except Exception as err:  # noqa: BLE001 - report which variant and stop
+            raise SystemExit(f"sm_{args.arch}: {label} does not compile: {err}") from err
+        count += 1
+        if args.digest:
+            print(hashlib.sha256(instructions(compiled.asm["ptx"]).encode()).hexdigest()[:16], label)
+    print(f"sm_{args.arch}: {count} kernel variants compiled ({args.dtype}, head dim {args.head_dim})")
+
+
+if __name__ == "__main__":
+    main()
