@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, tune_bench, visible
+from .triton_common import configs, key_ranges, row_tiles, tune_bench, visible
 
 DKDV_CONFIGS = configs(
     [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
@@ -202,12 +202,8 @@ def _attn_bwd_dkdv(
 
     n_b = tl.num_programs(2)
     n_h = tl.num_programs(1) * group
-    desc_q = tl.make_tensor_descriptor(
-        Q, shape=[n_b, Lq, n_h, HEAD_DIM], strides=[sqb, sqs, sqh, 1], block_shape=[1, BLOCK_M, 1, D_PAD]
-    )
-    desc_do = tl.make_tensor_descriptor(
-        DO, shape=[n_b, Lq, n_h, HEAD_DIM], strides=[sdob, sdos, sdoh, 1], block_shape=[1, BLOCK_M, 1, D_PAD]
-    )
+    desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
+    desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
     b32 = tl.program_id(2)
     for g in range(group):
         h32 = hk * group + g
@@ -399,12 +395,8 @@ def _attn_bwd_dq(
     full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
     n_b = tl.num_programs(2)
     n_hk = tl.num_programs(1) // group
-    desc_k = tl.make_tensor_descriptor(
-        K, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[skb, sks, skh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
-    )
-    desc_v = tl.make_tensor_descriptor(
-        V, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[svb, svs, svh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
-    )
+    desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
+    desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
     b32 = tl.program_id(2)
     for start_n in range(0, full_hi, BLOCK_N):
         dq = _dq_step(

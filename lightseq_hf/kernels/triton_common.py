@@ -71,6 +71,17 @@ def visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL: tl.constexpr):
     return keep
 
 
+@triton.jit
+def row_tiles(X, n_b, length, n_heads, s_b, s_s, s_h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+              D_PAD: tl.constexpr):
+    """TMA descriptor of ``(BLOCK, D_PAD)`` row tiles of one head of a ``(batch, seq, heads, dim)``
+    tensor with unit stride along dim; loads past the sequence end or the head dim read zeros."""
+    return tl.make_tensor_descriptor(
+        X, shape=[n_b, length, n_heads, HEAD_DIM], strides=[s_b, s_s, s_h, 1],
+        block_shape=[1, BLOCK, 1, D_PAD],
+    )
+
+
 def tune_bench(fn, quantiles=None):
     """Short timing for the autotuner (its default spends ~125 ms per config)."""
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)

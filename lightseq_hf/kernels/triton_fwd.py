@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, tune_bench, visible
+from .triton_common import configs, key_ranges, row_tiles, tune_bench, visible
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
@@ -146,12 +146,8 @@ def _attn_fwd(
 
     n_b = tl.num_programs(2)
     n_hk = tl.num_programs(1) // group
-    desc_k = tl.make_tensor_descriptor(
-        K, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[skb, sks, skh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
-    )
-    desc_v = tl.make_tensor_descriptor(
-        V, shape=[n_b, Lk, n_hk, HEAD_DIM], strides=[svb, svs, svh, 1], block_shape=[1, BLOCK_N, 1, D_PAD]
-    )
+    desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
+    desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
     b32 = tl.program_id(2)
     for start_n in range(0, full_hi, BLOCK_N):
         acc, m_i, l_i = _fwd_step(
