@@ -37,8 +37,7 @@ def remat_context_fn() -> tuple[Any, Any]:
 
 def remat_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint`` with the rematerialization-aware policy (non-reentrant)."""
-    kwargs.update(use_reentrant=False, context_fn=remat_context_fn)
-    return checkpoint(function, *args, **kwargs)
+    return _remat_call(checkpoint, function, *args, **kwargs)
 
 
 def _remat_call(inner: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:

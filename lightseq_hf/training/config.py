@@ -18,6 +18,9 @@ from typing import Any
 
 import yaml
 
+from ..checkpoint import CHECKPOINTING_MODES
+from ..kernels import BACKENDS
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
@@ -137,8 +140,8 @@ _CHOICES = {
     "data.synthetic.filler": ("repeat", "random"),
     "training.lr_schedule": ("cosine", "linear", "constant"),
     "training.mixed_precision": (None, "no", "bf16", "fp16"),
-    "training.checkpointing": ("remat", "hf", "none"),
-    "training.backend": ("auto", "reference", "triton", "sdpa"),
+    "training.checkpointing": (*CHECKPOINTING_MODES, "none"),
+    "training.backend": BACKENDS,
     "training.device": ("auto", "cpu", "cuda"),
 }
 
@@ -322,20 +325,17 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     if not 0.0 < s.needle_max_frac < 1.0:
         raise ConfigError(f"data.synthetic.needle_max_frac must be in (0, 1); got {s.needle_max_frac}")
 
-    if cfg.sp_size is not None and cfg.context_length % cfg.sp_size:
+    sp = cfg.sp_size or world_size  # None: not launched yet and no sp_size given
+    if world_size is not None and world_size % sp:
         raise ConfigError(
-            f"context_length {cfg.context_length} is not divisible by sp_size {cfg.sp_size}: every rank "
+            f"sp_size {sp} does not divide the world size {world_size} (launched processes); choose "
+            f"one of {', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)}"
+        )
+    if sp is not None and cfg.context_length % sp:
+        raise ConfigError(
+            f"context_length {cfg.context_length} is not divisible by sp_size {sp}: every rank "
             f"of a sequence-parallel group holds context_length / sp_size tokens"
         )
-    if world_size is not None:
-        sp = cfg.sp_size or world_size
-        if world_size % sp:
-            raise ConfigError(
-                f"sp_size {sp} does not divide the world size {world_size} (launched processes); choose "
-                f"one of {', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)}"
-            )
-        if cfg.context_length % sp:
-            raise ConfigError(f"context_length {cfg.context_length} is not divisible by sp_size {sp}")
 
     m = cfg.model
     if m.path is None and not m.config:

@@ -16,8 +16,6 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-IGNORE_INDEX = -100
-
 _FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",
             ".parquet": "parquet", ".csv": "csv"}
 

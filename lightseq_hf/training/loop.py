@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..parallel.sharding import shard_for
 from .config import ConfigError, FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer, passkey_spec
 
@@ -193,8 +194,8 @@ def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: in
     ds = PasskeyDataset(spec, n_eval)
     mine = list(range(groups.dp_rank, n_eval, groups.dp_size))
     n = cfg.context_length
-    local = n // groups.sp_size
-    start = groups.sp_rank * local
+    shard = shard_for(n, groups.sp_rank, groups.sp_size)  # n is a multiple of sp_size (validate)
+    start, local = shard.start, shard.local_len
     counts = torch.zeros(4, dtype=torch.float64)
     was_training = model.training
     model.eval()

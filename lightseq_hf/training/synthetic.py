@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from ..parallel.sharding import IGNORE_INDEX
+
 BOS, NEEDLE, QUERY = 0, 1, 2
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
