@@ -120,58 +120,109 @@ def num_loss_tokens(shifted_labels: torch.Tensor) -> torch.Tensor:
     return (shifted_labels != IGNORE_INDEX).sum()
 
 
-def _token_loss_sum(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, vocab: int
-                    ) -> torch.Tensor:
-    logits = head(hidden).float()
-    return F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
+def _innermost(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that computes ``module``'s output, inside wrapper modules that only forward the call.
+
+    Wrappers (FSDP1's ``FullyShardedDataParallel``, DDP, activation-checkpoint wrappers) keep the
+    real module under ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module`` / ``module``; their
+    own forward (unshard, hooks) must still run, so the call goes to the outer module and the forward
+    is replaced on the inner one. FSDP2's ``fully_shard`` and PEFT's LoRA layers are not wrappers in
+    this sense: the module itself (a subclass of ``nn.Linear``, or LoRA's ``Linear``) computes.
+    """
+    for _ in range(8):
+        inner = None
+        for name in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module"):
+            candidate = module._modules.get(name)
+            if isinstance(candidate, torch.nn.Module) and len(module._modules) == 1:
+                inner = candidate
+                break
+        if inner is None:
+            return module
+        module = inner
+    return module
 
 
-class _LinearCrossEntropySum(torch.autograd.Function):
-    """Sum of cross-entropies of ``hidden @ weight.T``, a chunk of rows at a time.
+def _grad_leaves(output: torch.Tensor) -> list[torch.Tensor]:
+    """The leaf tensors requiring grad that ``output`` depends on: the parameters that produced it.
 
-    The gradients are computed in the forward pass, chunk by chunk, so neither the logits nor
-    the weight are needed in backward: at most one chunk of float32 logits is alive, and a
-    weight that FSDP re-shards after the forward is never read again.
+    Found by walking the autograd graph, so a head's parameters are found whatever wraps them: plain,
+    FSDP2-unsharded, FSDP1 flat parameters behind their views, LoRA matrices, tied embeddings.
+    """
+    leaves: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            leaves.setdefault(id(variable), variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(leaves.values())
+
+
+class _HeadCrossEntropySum(torch.autograd.Function):
+    """Sum of cross-entropies of ``head_fn(hidden)``, a chunk of rows at a time, gradients made in forward.
+
+    For every chunk the head runs once, the float32 log-softmax gradient of the chunk's logits is
+    formed at once, and ``autograd.grad`` turns it into the chunk's gradients for the hidden rows
+    and for the head's parameters (``params``: passed as inputs so that their gradients arrive in
+    backward through the ordinary ``AccumulateGrad`` path, where DDP and FSDP hooks expect them).
+    Backward only scales the stored gradients: no logits are kept, none recomputed, and no
+    parameter (which FSDP may have re-sharded after the forward) is read again.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_rows):
+    def forward(ctx, hidden, labels, head_fn, chunk_rows, *params):
         flat = hidden.reshape(-1, hidden.shape[-1])
         targets = labels.reshape(-1)
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        need_h = ctx.needs_input_grad[0]
+        need_p = [ctx.needs_input_grad[4 + i] for i in range(len(params))]
+        wrt_params = [p for p, need in zip(params, need_p) if need]
+        acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
         grad_h = torch.empty_like(flat) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        total = flat.new_zeros((), dtype=acc)
+        grad_p = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
+                              device=p.device) for p in wrt_params]
+        total = torch.zeros((), dtype=acc, device=flat.device)
         for i in range(0, flat.shape[0], chunk_rows):
-            h, y = flat[i:i + chunk_rows], targets[i:i + chunk_rows]
-            logits = (h @ weight.t()).to(acc)
+            y = targets[i:i + chunk_rows]
+            h = flat[i:i + chunk_rows].detach().requires_grad_(need_h)
+            with torch.enable_grad():
+                logits = head_fn(h)
             valid = y != IGNORE_INDEX
             safe_y = torch.where(valid, y, torch.zeros_like(y))
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, safe_y[:, None]).squeeze(1)
+            wide = logits.detach().to(acc)
+            lse = torch.logsumexp(wide, dim=-1)
+            picked = wide.gather(1, safe_y[:, None]).squeeze(1)
             total = total + ((lse - picked) * valid).sum()
-            if need_h or need_w:
-                dlogits = torch.exp(logits - lse[:, None])
+            wrt = ([h] if need_h else []) + wrt_params
+            if wrt and logits.requires_grad:
+                dlogits = torch.exp(wide - lse[:, None])
                 dlogits.scatter_add_(1, safe_y[:, None], -torch.ones_like(lse)[:, None])
-                dlogits = (dlogits * valid[:, None]).to(h.dtype)
+                dlogits = (dlogits * valid[:, None]).to(logits.dtype)
+                grads = torch.autograd.grad(logits, wrt, dlogits, allow_unused=True)
                 if need_h:
-                    grad_h[i:i + chunk_rows] = dlogits @ weight
-                if need_w:
-                    grad_w += (dlogits.t() @ h).to(acc)
-        ctx.save_for_backward(
-            grad_h.view(hidden.shape) if need_h else None, grad_w if need_w else None
-        )
-        ctx.weight_dtype = weight.dtype
+                    grad_h[i:i + chunk_rows] = grads[0] if grads[0] is not None else 0
+                for acc_p, g in zip(grad_p, grads[int(need_h):]):
+                    if g is not None:
+                        acc_p += g
+            del logits
+        ctx.save_for_backward(grad_h.view(hidden.shape) if need_h else None, *grad_p)
+        ctx.need_p = need_p
+        ctx.param_dtypes = [p.dtype for p in params]
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_h, grad_w = ctx.saved_tensors
+        grad_h, *grad_p = ctx.saved_tensors
         dh = grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None
-        dw = (grad_w * grad_total).to(ctx.weight_dtype) if grad_w is not None else None
-        return dh, dw, None, None
+        stored = iter(grad_p)
+        dparams = [(next(stored) * grad_total).to(dtype) if need else None
+                   for need, dtype in zip(ctx.need_p, ctx.param_dtypes)]
+        return (dh, None, None, None, *dparams)
 
 
 def chunked_loss_sum(
@@ -179,26 +230,43 @@ def chunked_loss_sum(
 ) -> torch.Tensor:
     """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, ``chunk_size`` tokens at a time.
 
-    A plain ``nn.Linear`` head without bias goes through a fused chunked linear + cross-entropy
-    whose gradients are made in the forward pass (no logits or weights kept for backward). Other
-    heads (LoRA-wrapped, biased) recompute each chunk's logits in backward (checkpoint). Either
-    way at most one chunk of full-vocabulary float32 logits is alive. Chunks whose labels are all
+    Works for any head module, however wrapped: the call goes through ``head.__call__`` (so FSDP2's
+    and FSDP1's hooks unshard its weights, and the gradients they reduce arrive in backward), with
+    the innermost module's forward temporarily replaced by the fused chunked loss
+    (:class:`_HeadCrossEntropySum`). At most one chunk of full-vocabulary float32 logits is alive,
+    logits are never recomputed, and no weight is read in backward. Chunks whose labels are all
     ignored still run: every rank's sum must be in the graph, or the backward all-reduce would
-    wait forever.
+    wait forever. ``vocab`` is checked against the head's output width.
     """
-    if type(head) is torch.nn.Linear and head.bias is None:
-        return _LinearCrossEntropySum.apply(hidden, head.weight, labels, max(1, chunk_size))
-    total = hidden.new_zeros((), dtype=torch.float32)
-    seq = hidden.shape[1]
-    per_chunk = max(1, chunk_size // max(1, hidden.shape[0]))
-    for i in range(0, seq, per_chunk):
-        h, y = hidden[:, i:i + per_chunk], labels[:, i:i + per_chunk]
-        if torch.is_grad_enabled() and h.requires_grad:
-            part = torch.utils.checkpoint.checkpoint(_token_loss_sum, h, y, head, vocab, use_reentrant=False)
+    target = _innermost(head)
+    compute = type(target).forward.__get__(target)  # the class's forward, bound: what head() would run
+    chunk_rows = max(1, chunk_size)
+
+    def fused_forward(h: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            with torch.enable_grad():  # find the parameters the head reads, as this call sees them
+                probe = compute(h.reshape(-1, h.shape[-1])[:1].detach())
+            params = _grad_leaves(probe) if probe.requires_grad else []
+            _check_vocab(probe, vocab)
+            del probe
         else:
-            part = _token_loss_sum(h, y, head, vocab)
-        total = total + part
-    return total
+            params = []
+        return _HeadCrossEntropySum.apply(h, labels, compute, chunk_rows, *params)
+
+    if "forward" in target.__dict__:
+        raise RuntimeError(f"the loss head {type(target).__name__} already has an instance-level forward; "
+                           "lightseq_hf's chunked loss cannot wrap it.")
+    target.forward = fused_forward
+    try:
+        return head(hidden)
+    finally:
+        del target.forward
+
+
+def _check_vocab(logits: torch.Tensor, vocab: int) -> None:
+    if logits.shape[-1] != vocab:
+        raise ValueError(f"the output head produces {logits.shape[-1]} logits per token but the model's "
+                         f"vocab_size is {vocab}; fix config.vocab_size or the head.")
 
 
 class _GroupSum(torch.autograd.Function):
