@@ -307,6 +307,7 @@ def train(cfg: FinetuneConfig) -> dict:
         return res
 
     model.train()
+    start_step = state.step
     done = state.step >= total_steps
     while not done:
         sampler.set_epoch(state.epoch, start=state.samples_in_epoch)
@@ -331,6 +332,8 @@ def train(cfg: FinetuneConfig) -> dict:
                     out = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device))
                     accelerator.backward(out.loss / len(batches))
                 loss_sum += out.loss.detach().float()
+            if state.step == start_step:
+                check_every_parameter_has_a_gradient(model)
             grad_norm = None
             if t.max_grad_norm is not None:
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
@@ -411,6 +414,17 @@ def train(cfg: FinetuneConfig) -> dict:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def check_every_parameter_has_a_gradient(model: torch.nn.Module) -> None:
+    """Raise if a trainable parameter got no gradient from the first step: it would silently never train."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise RuntimeError(
+            f"{len(missing)} trainable parameters received no gradient in the first step ({shown}); they "
+            "would never train. Freeze them (requires_grad=False) or report this with the wrapping used."
+        )
 
 
 def _device_name(device: torch.device) -> str:
