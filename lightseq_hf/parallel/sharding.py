@@ -142,15 +142,20 @@ def _innermost(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _grad_leaves(output: torch.Tensor) -> list[torch.Tensor]:
-    """The leaf tensors requiring grad that ``output`` depends on: the parameters that produced it.
+def _head_parameters(target: torch.nn.Module, probe: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors requiring grad that the head's output depends on, as this forward call sees them.
 
-    Found by walking the autograd graph, so a head's parameters are found whatever wraps them: plain,
-    FSDP2-unsharded, FSDP1 flat parameters behind their views, LoRA matrices, tied embeddings.
+    The module's own parameters first (under FSDP2 these are the unsharded parameters its
+    pre-forward hook registered, the tensors whose gradients FSDP2 reduces). Only a head whose
+    parameters are hidden from ``parameters()`` (FSDP1 with ``use_orig_params`` exposes views as
+    plain attributes during forward) falls back to the leaves of the autograd graph of ``probe``.
     """
+    own = [p for p in target.parameters() if p.requires_grad]
+    if own or not probe.requires_grad:
+        return own
     leaves: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
-    stack = [output.grad_fn]
+    stack = [probe.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -244,9 +249,9 @@ def chunked_loss_sum(
 
     def fused_forward(h: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            with torch.enable_grad():  # find the parameters the head reads, as this call sees them
+            with torch.enable_grad():  # one row through the head: its width, and what it reads
                 probe = compute(h.reshape(-1, h.shape[-1])[:1].detach())
-            params = _grad_leaves(probe) if probe.requires_grad else []
+            params = _head_parameters(target, probe)
             _check_vocab(probe, vocab)
             del probe
         else:
