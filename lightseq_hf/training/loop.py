@@ -174,11 +174,11 @@ def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | Non
     s = cfg.saving
     resume: Path | None = None
     if s.resume_from in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
-        resume, skipped = find_latest_checkpoint(out_dir, s.checksums)
+        resume, skipped = find_latest_checkpoint(out_dir, s.checksums, require="state")
         for reason in skipped if not dry_run else ():
             _warn(f"skipped {reason}")
         if resume is None and s.resume_from == RESUME_LATEST:
-            why = f" ({len(skipped)} damaged or incomplete, skipped)" if skipped else ""
+            why = f" ({len(skipped)} skipped: {'; '.join(skipped)})" if skipped else ""
             raise ConfigError(
                 f"saving.resume_from=latest: no complete checkpoint with training state in {out_dir}{why}. "
                 "Pass a checkpoint path, or saving.resume_from=latest_or_fresh to start from step 0 when "

@@ -131,9 +131,10 @@ def verify_checkpoint(directory: str | Path, checksums: bool = True) -> dict:
     return record
 
 
-def find_latest_checkpoint(output_dir: str | Path, checksums: bool = True) -> tuple[Path | None, list[str]]:
-    """The newest complete, intact ``checkpoint-<step>`` under ``output_dir`` and, for every newer
-    one passed over, the reason it was skipped."""
+def find_latest_checkpoint(output_dir: str | Path, checksums: bool = True,
+                           require: str | None = None) -> tuple[Path | None, list[str]]:
+    """The newest complete, intact ``checkpoint-<step>`` under ``output_dir`` (holding the
+    subdirectory ``require``, when given) and, for every newer one passed over, the reason."""
     found = sorted(((checkpoint_step(p), p) for p in Path(output_dir).glob("checkpoint-*")
                     if p.is_dir() and checkpoint_step(p) is not None), reverse=True)
     skipped = []
@@ -142,6 +143,9 @@ def find_latest_checkpoint(output_dir: str | Path, checksums: bool = True) -> tu
             verify_checkpoint(path, checksums)
         except CheckpointError as e:
             skipped.append(str(e))
+            continue
+        if require is not None and not (path / require).is_dir():
+            skipped.append(f"{path} has no {require}/ (saved with saving.save_optimizer=false)")
             continue
         return path, skipped
     return None, skipped
