@@ -218,6 +218,9 @@ def test_resume_policy_never_destroys(tmp_path: Path) -> None:
     archived = next(run.glob("previous-*"))
     assert sorted(p.name for p in archived.iterdir()) == ["checkpoint-2", "checkpoint-3", "metrics.jsonl"]
     assert not list(run.glob("checkpoint-*"))
+    (run / "metrics.jsonl").write_text(lines[0])  # a run that crashed before its first checkpoint
+    assert prepare_output_dir(_config(run, "saving.resume_from=latest_or_fresh")) is None
+    assert len(list(run.glob("previous-*"))) == 2 and not (run / "metrics.jsonl").exists()
     with pytest.raises(ConfigError, match="output_dir: cannot write"):
         prepare_output_dir(_config(run / "metrics.jsonl.before-resume-2" / "sub"))
 
@@ -263,6 +266,13 @@ def test_config_refuses_non_finite_and_cli_accepts_options_anywhere(tmp_path: Pa
     monkeypatch.setenv("RANK", "1")  # under a launcher only rank 0 prints
     assert main([cfg, "training.lr=.nan"]) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_bytes_tokenizer_is_saved_and_found_again(tmp_path: Path) -> None:
+    from lightseq_hf.training.data import ByteTokenizer, load_tokenizer
+
+    ByteTokenizer().save_pretrained(tmp_path)  # what save_checkpoint calls for configs/tiny-text.yaml
+    assert isinstance(load_tokenizer(None, str(tmp_path)), ByteTokenizer)
 
 
 def test_faults_hook_and_failure_classification() -> None:

@@ -197,7 +197,8 @@ def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | Non
         )
     if resume is None:
         previous = _existing_run(out_dir, cfg.logging.metrics_file)
-        if previous and s.if_output_exists == "error":
+        archive_ok = s.if_output_exists == "archive" or s.resume_from == RESUME_LATEST_OR_FRESH
+        if previous and not archive_ok:
             names = ", ".join(p.name for p in previous[:4]) + (", ..." if len(previous) > 4 else "")
             raise ConfigError(
                 f"output_dir {out_dir} already holds a run ({names}). Resume it with "
@@ -205,13 +206,15 @@ def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | Non
                 "archive to move the old run into a subdirectory"
             )
         if previous and not dry_run:
-            archive = out_dir / f"previous-{time.strftime('%Y%m%d-%H%M%S')}"
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+            archive = out_dir / f"previous-{stamp}"
+            while archive.exists():
+                archive, n = out_dir / f"previous-{stamp}-{n}", n + 1
             archive.mkdir()
             for p in previous + [out_dir / n for n in _RUN_FILES if (out_dir / n).exists()]:
                 if p.exists():
                     shutil.move(str(p), str(archive / p.name))
-            print(f"[lightseq] saving.if_output_exists=archive: moved the previous run to {archive}",
-                  flush=True)
+            print(f"[lightseq] moved the previous run (nothing to resume from) to {archive}", flush=True)
     return resume
 
 
@@ -409,7 +412,16 @@ def train(cfg: FinetuneConfig) -> dict:
     device = accelerator.device
 
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
-    model = build_model(cfg, device)
+    try:
+        model = build_model(cfg, device)
+    except Exception as e:
+        refused = isinstance(e, (ValueError, TypeError, KeyError)) or \
+            type(e).__module__.split(".")[0] in ("transformers", "huggingface_hub")
+        if not refused:  # not transformers refusing the architecture entries
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model: transformers could not build the model from model.path/model.config: "
+                          f"{msg}") from e
     vocab_size = model.config.vocab_size
     model = apply_patch(model, cfg, groups.sp_group)
     n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
