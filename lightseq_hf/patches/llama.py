@@ -355,8 +355,8 @@ def _check_same_batch(group, batch: int, seq: int, input_ids, labels, device: to
     dist.all_gather(gathered, mine, group=group)
     rows = [tuple(t.tolist()) for t in gathered]
     if not labels_ok:  # raised after the all-gather, so that no rank is left waiting in it
-        raise ValueError(f"labels have shape {tuple(labels.shape)} but the inputs are (batch {batch}, length "
-                         f"{seq}): labels must be (batch, length) like input_ids.")
+        raise ValueError(f"labels have shape {tuple(labels.shape)}; expected length {seq} and batch {batch} "
+                         "like input_ids: labels must be (batch, length).")
     if len(set(rows)) > 1:
         described = "; ".join(f"rank {r}: batch {x[0]}, length {x[1]}, labels {bool(x[2])}"
                               + ("" if x[3] else " (wrong shape)") for r, x in enumerate(rows))
