@@ -56,6 +56,12 @@ def get_kernel(
             f"the kernels in Triton's CPU interpreter); tensors are on {device}. "
             "Use backend='reference' or 'auto' on the CPU."
         )
+    if backend == "triton" and device.type != "cuda" and dtype == torch.bfloat16:
+        raise ValueError(
+            "backend 'triton' in Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 wrongly "
+            "(an upstream interpreter limitation); use float16 or float32 there, backend='reference', or "
+            "a CUDA GPU."
+        )
     if backend.startswith("sdpa") and device.type != "cuda":
         raise ValueError(
             f"backend 'sdpa' runs torch's flash/cuDNN kernels and needs a CUDA GPU; tensors are on "

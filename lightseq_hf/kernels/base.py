@@ -104,6 +104,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"batch sizes disagree: q has {q.shape[0]}, k/v have {k.shape[0]}.")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"head dims disagree: q has {q.shape[3]}, k/v have {k.shape[3]}.")
+    if q.shape[3] == 0:
+        raise ValueError("head_dim is 0: q, k and v need at least one feature per head.")
     heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(

@@ -70,7 +70,7 @@ class ReferenceKernel:
                 l_run = l_run * alpha + p.sum(dim=-1)
                 o_run = o_run * alpha[..., None] + torch.einsum("bhgmn,bnhd->bhgmd", p, vb)
                 m_run = m_new
-            seen = l_run > 0
+            seen = l_run != 0  # a row that saw no key: 0; a NaN row stays NaN (out and lse)
             l_safe = torch.where(seen, l_run, torch.ones_like(l_run))
             o_blk = o_run / l_safe[..., None]
             lse_blk = torch.where(seen, m_run + torch.log(l_safe), torch.full_like(l_run, -math.inf))

@@ -194,7 +194,7 @@ def _attn_fwd(
             D_PAD,
         )
 
-    seen = l_i > 0.0
+    seen = l_i != 0.0  # a row that saw no key: 0; a NaN row stays NaN (out and lse)
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))

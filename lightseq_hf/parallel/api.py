@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 import torch.distributed as dist
@@ -15,34 +16,58 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.flo
 
 
 def check_same_shapes(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, group: dist.ProcessGroup | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    group: dist.ProcessGroup | None,
+    *,
+    v: torch.Tensor | None = None,
+    scale: float | None = None,
+    schedule: str = "balanced",
+    backend: str = "auto",
 ) -> None:
-    """All-gather each rank's shapes and raise the same ValueError on every rank if they differ.
+    """All-gather each rank's call (shapes, dtype, causal, scale, schedule, backend, which of q/k/v
+    need gradients) and raise the same ValueError on every rank if they differ.
 
-    Runs before any point-to-point transfer, so a mismatch fails fast instead of hanging.
+    Runs before any point-to-point transfer, so a mismatch fails fast instead of hanging (or, for
+    the scale, silently mixing two attentions).
     """
     rank, world = group_rank_and_size(group)
     if world == 1:
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    grads = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (q, k, v)]
+    scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
     mine = torch.tensor(
-        [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal)],
+        [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal), scale_bits,
+         SCHEDULES.index(schedule), BACKENDS.index(backend), *map(int, grads)],
         dtype=torch.int64, device=device,
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     rows = [tuple(t.tolist()) for t in gathered]
-    if len(set(rows)) > 1:
-        described = "; ".join(
-            f"rank {r}: q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, "
-            f"kv heads {x[5]}, dtype code {x[6]}, causal {bool(x[7])}"
-            for r, x in enumerate(rows)
-        )
-        raise ValueError(
-            "ranks of the sequence-parallel group passed different shapes, dtypes or causal flags "
-            f"({described}). Every rank must hold an equal-length shard: pad the sequence to a "
-            "multiple of the group size (lightseq_hf.pad_to_multiple) before sharding."
-        )
+    if len(set(rows)) == 1:
+        return
+
+    def describe(x: tuple) -> str:
+        s = struct.unpack("<d", struct.pack("<q", x[8]))[0]
+        need = "".join(n for n, g in zip("qkv", x[11:14]) if g) or "none"
+        return (f"q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, kv heads {x[5]}, "
+                f"dtype code {x[6]}, causal {bool(x[7])}, scale {s:.6g}, schedule {SCHEDULES[x[9]]}, "
+                f"backend {BACKENDS[x[10]]}, grads {need}")
+
+    fields = ("shapes", "shapes", "shapes", "shapes", "shapes", "shapes", "dtypes", "causal flags",
+              "softmax scales", "schedules", "backends", "requires_grad", "requires_grad", "requires_grad")
+    differ = sorted({fields[i] for i in range(len(fields)) if len({r[i] for r in rows}) > 1},
+                    key=fields.index)
+    described = "; ".join(f"rank {r}: {describe(x)}" for r, x in enumerate(rows))
+    hint = (" Every rank must hold an equal-length shard: pad the sequence to a multiple of the group size "
+            "(lightseq_hf.pad_to_multiple) before sharding." if "shapes" in differ else
+            " Every rank of the group must call dist_flash_attn with the same arguments, and the same q/k/v "
+            "must require gradients on every rank (backward is collective).")
+    raise ValueError(
+        f"ranks of the sequence-parallel group passed different {', '.join(differ)} ({described}).{hint}"
+    )
 
 
 def dist_flash_attn(
@@ -68,22 +93,25 @@ def dist_flash_attn(
     plain attention on the local tensors. Gradients flow to q, k and v (and through the
     lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
     ``backend`` is ``"auto"``, ``"reference"``, ``"triton"`` or ``"sdpa"``.
-    ``check_shapes=False`` skips the all-gather that checks every rank's shapes agree
-    (for callers that guarantee it, such as the model patch).
+    ``check_shapes=False`` skips the all-gather that checks every rank's call agrees (shapes,
+    dtype, causal, scale, schedule, backend, which inputs need gradients), for callers that
+    guarantee it, such as the model patch.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     check_qkv(q, k, v)
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number; got {softmax_scale}.")
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
             "one sequence, so q, k and v shards must have the same length."
         )
     get_kernel(backend, q.device, q.dtype, q.shape[-1])  # fail early with the backend's own error
-    if check_shapes:
-        check_same_shapes(q, k, causal, group)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if check_shapes:
+        check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend)
     out, lse = dist_attn_fwd(q, k, v, causal, float(scale), group_handle(group), schedule, backend)
     return (out, lse) if return_lse else out

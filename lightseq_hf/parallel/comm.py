@@ -29,13 +29,15 @@ class Pending:
     """Transfers in flight; ``wait()`` orders later compute after them (on CUDA: the current stream
     waits, the host does not)."""
 
-    def __init__(self, works: list) -> None:
+    def __init__(self, works: list, keep: list | None = None) -> None:
         self._works = works
+        self._keep = keep  # contiguous copies being sent: alive until the transfers complete
 
     def wait(self) -> None:
         for work in self._works:
             work.wait()
         self._works = []
+        self._keep = None
 
 
 TRANSFER_MODES = ("overlap", "serial", "compute_only")
@@ -69,17 +71,22 @@ class PeerComm:
         """Start the transfers; the sends read tensors as the compute stream left them."""
         if not transfers or _mode == "compute_only":
             return Pending([])
-        ops = [dist.P2POp(dist.isend, t, self._global_rank(p), self.group) for p, t in transfers.sends]
+        for p, t in transfers.recvs:
+            if not t.is_contiguous():
+                raise ValueError(f"receive buffer from peer {p} is not contiguous; allocate it with "
+                                 "empty_like")
+        sends = [(p, t if t.is_contiguous() else t.contiguous()) for p, t in transfers.sends]
+        ops = [dist.P2POp(dist.isend, t, self._global_rank(p), self.group) for p, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global_rank(p), self.group) for p, t in transfers.recvs]
         if self.stream is None:
-            pending = Pending(dist.batch_isend_irecv(ops))
+            pending = Pending(dist.batch_isend_irecv(ops), [t for _, t in sends])
         else:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
                 self.stream.wait_event(ready)
                 works = dist.batch_isend_irecv(ops)
-            pending = Pending(works)
+            pending = Pending(works, [t for _, t in sends])
         if _mode == "serial":
             pending.wait()
         return pending

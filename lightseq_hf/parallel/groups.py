@@ -8,6 +8,7 @@ sequence-parallel group form a data-parallel group.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -28,12 +29,19 @@ class ParallelGroups:
 _current: ParallelGroups | None = None
 
 
-def init_sequence_parallel(sp_size: int | None = None) -> ParallelGroups:
+def init_sequence_parallel(sp_size: int | None = None,
+                           timeout: datetime.timedelta | float | None = None) -> ParallelGroups:
     """Create (once) the groups for ``sp_size`` ranks per sequence (default: the whole world).
 
     Every rank must call it with the same ``sp_size``. Without torch.distributed the
-    result is a single rank with no groups.
+    result is a single rank with no groups. ``timeout`` (a timedelta or seconds) bounds every wait
+    of the new groups: a peer that stops answering ends the call with an error after it (default:
+    the default group's timeout).
     """
+    if isinstance(timeout, (int, float)):
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
+        timeout = datetime.timedelta(seconds=timeout)
     global _current
     if not (dist.is_available() and dist.is_initialized()):
         if sp_size not in (None, 1):
@@ -56,12 +64,12 @@ def init_sequence_parallel(sp_size: int | None = None) -> ParallelGroups:
     sp_group = dp_group = None
     for start in range(0, world, sp_size):  # new_group is collective: every rank creates every group
         ranks = list(range(start, start + sp_size))
-        group = dist.new_group(ranks) if sp_size < world else dist.group.WORLD
+        group = dist.new_group(ranks, timeout=timeout) if sp_size < world else dist.group.WORLD
         if rank in ranks:
             sp_group = group
     for offset in range(sp_size):
         ranks = list(range(offset, world, sp_size))
-        group = dist.new_group(ranks) if dp_size < world else dist.group.WORLD
+        group = dist.new_group(ranks, timeout=timeout) if dp_size < world else dist.group.WORLD
         if rank in ranks:
             dp_group = group
     _current = ParallelGroups(sp_group, dp_group, sp_size, rank % sp_size, dp_size, rank // sp_size)

@@ -95,6 +95,8 @@ def dist_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call_counts["backward"] += 1
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    # autograd saved the caller's q/k/v, which may be views (transposes, slices): k and v are sent
+    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     rank, world, comm = _context(group, q.device)
     return dist_attn_backward(
         dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,

@@ -73,6 +73,9 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value: floa
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Global shift along dim 1: ``out[:, t] = labels[:, t + 1]``, the last position ``ignore_index``."""
+    if labels.dim() != 2:
+        raise ValueError(f"labels must be 2-D (batch, length) like input_ids; got shape "
+                         f"{tuple(labels.shape)}.")
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 

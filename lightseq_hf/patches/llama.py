@@ -336,23 +336,30 @@ def _check_same_batch(group, batch: int, seq: int, input_ids, labels, device: to
     backend = dist.get_backend(group)
     where = device if backend == "nccl" else torch.device("cpu")
 
-    def checksum(x):
-        if x is None:
-            return torch.zeros((), dtype=torch.int64, device=where)
-        x = x.to(where).long()
-        weights = torch.arange(1, x.numel() + 1, device=where).view(x.shape) % 1009
-        return (x * weights).sum()
+    labels_ok = labels is None or tuple(labels.shape) == (batch, seq)
 
-    mine = torch.stack([torch.tensor(batch, device=where), torch.tensor(seq, device=where),
-                        torch.tensor(int(labels is not None), device=where),
-                        checksum(input_ids), checksum(labels)])
+    def checksums(x):
+        """Two sums: plain, and weighted by position + 1 (never 0 for any position, no modulus), so two
+        batches that differ at one position always differ in the second sum."""
+        if x is None:
+            return torch.zeros(2, dtype=torch.int64, device=where)
+        x = x.to(where).long().flatten()
+        weights = torch.arange(1, x.numel() + 1, device=where, dtype=torch.int64)
+        return torch.stack([x.sum(), (x * weights).sum()])
+
+    mine = torch.cat([torch.tensor([batch, seq, int(labels is not None), int(labels_ok)], device=where,
+                                   dtype=torch.int64),
+                      checksums(input_ids), checksums(labels if labels_ok else None)])
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     rows = [tuple(t.tolist()) for t in gathered]
+    if not labels_ok:  # raised after the all-gather, so that no rank is left waiting in it
+        raise ValueError(f"labels have shape {tuple(labels.shape)}; expected length {seq} and batch {batch} "
+                         "like input_ids: labels must be (batch, length).")
     if len(set(rows)) > 1:
         described = "; ".join(f"rank {r}: batch {x[0]}, length {x[1]}, labels {bool(x[2])}"
-                              for r, x in enumerate(rows))
+                              + ("" if x[3] else " (wrong shape)") for r, x in enumerate(rows))
         raise ValueError(
             "the ranks of a sequence-parallel group received different batches (" + described + "). Every "
             "rank of the group must get the same full batch and the patch slices it: call "

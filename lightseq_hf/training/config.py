@@ -1,22 +1,30 @@
-"""Fine-tuning configuration: YAML -> dataclasses, validated up front.
+"""Fine-tuning configuration: YAML -> pydantic models, validated up front.
 
-Every error names the offending key (``training.lr``, ``data.paths[1]``, ...).
-``load_config(path, overrides)`` reads a YAML file and applies command-line
-overrides written ``dotted.key=value`` (the value is parsed as YAML, so ``3``,
-``1e-4``, ``true``, ``null`` and ``[a, b]`` work).
+Every error names the offending key (``training.lr``, ``data.paths[1]``, ...). Types, choices,
+ranges, finiteness (NaN/Inf are refused) and unknown keys are checked by the schema below;
+:func:`validate` adds what depends on several keys, the world size or the file system.
+``load_config(path, overrides)`` reads a YAML file and applies command-line overrides written
+``dotted.key=value`` (the value is parsed as YAML, so ``3``, ``1e-4``, ``true``, ``null`` and
+``[a, b]`` work).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import os
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 from ..checkpoint import CHECKPOINTING_MODES
 from ..kernels import BACKENDS
@@ -26,191 +34,179 @@ class ConfigError(ValueError):
     """A configuration problem; the message names the key."""
 
 
-@dataclass
-class ModelConfig:
+def _as_list(value: Any) -> Any:
+    return [value] if isinstance(value, (str, int, float)) and not isinstance(value, bool) else value
+
+
+def _no_as_string(value: Any) -> Any:
+    return "no" if value is False else value  # YAML 1.1 reads an unquoted `no` as false
+
+
+PosInt = Annotated[int, Field(gt=0)]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosFloat = Annotated[float, Field(gt=0)]
+NonNegFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+OpenFraction = Annotated[float, Field(gt=0, lt=1)]
+Beta = Annotated[float, Field(ge=0, lt=1)]
+StrList = Annotated[list[str], BeforeValidator(_as_list)]
+
+RESUME_LATEST = "latest"  # newest complete checkpoint in output_dir; an error when there is none
+RESUME_LATEST_OR_FRESH = "latest_or_fresh"  # ... or start from step 0 when there is none
+
+
+class _Section(BaseModel):
+    """Shared settings: unknown keys, NaN and Inf are errors; numbers may stand for strings."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, coerce_numbers_to_str=True,
+                              protected_namespaces=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section(cls, data: Any) -> Any:
+        return {} if data is None else data  # `training:` with nothing under it
+
+    def to_dict(self) -> dict:
+        return self.model_dump()
+
+
+class ModelConfig(_Section):
     """``path``: a local Hugging Face checkpoint; ``config``: inline config entries (the whole
     architecture for random init, or overrides on top of ``path``'s config)."""
 
     path: str | None = None
     config: dict | None = None
-    random_init: bool = False  # build from path's config.json but do not load its weights
-    dtype: str = "float32"  # weights: float32 | bfloat16 | float16
+    random_init: StrictBool = False  # build from path's config.json but do not load its weights
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights
 
 
-@dataclass
-class SyntheticConfig:
+class SyntheticConfig(_Section):
     """The on-the-fly passkey task (see lightseq_hf.training.synthetic)."""
 
-    task: str = "passkey"
-    num_values: int = 16
-    passkey_len: int = 1
-    needle_max_frac: float = 0.5
-    needle_repeat: int = 1  # the needle states the key this many times in a row
-    filler: str = "repeat"  # repeat (one sentence repeated, the classic passkey test) | random
-    filler_period: int = 32
-    num_samples: int = 1_000_000
-    eval_samples: int = 32
+    task: Literal["passkey"] = "passkey"
+    num_values: PosInt = 16
+    passkey_len: PosInt = 1
+    needle_max_frac: OpenFraction = 0.5
+    needle_repeat: PosInt = 1  # the needle states the key this many times in a row
+    filler: Literal["repeat", "random"] = "repeat"  # repeat: one sentence repeated (classic passkey test)
+    filler_period: PosInt = 32
+    num_samples: PosInt = 1_000_000
+    eval_samples: NonNegInt = 32
     seed: int = 1234
 
 
-@dataclass
-class DataConfig:
+class DataConfig(_Section):
     """``type``: ``synthetic`` (generated), ``files`` (local json/jsonl/text/parquet) or ``hub``."""
 
-    type: str = "synthetic"
-    paths: list = field(default_factory=list)
-    format: str = "auto"  # auto | json | text | parquet (``json`` covers jsonl)
+    type: Literal["synthetic", "files", "hub"] = "synthetic"
+    paths: StrList = Field(default_factory=list)
+    format: Literal["auto", "json", "text", "parquet", "csv"] = "auto"  # ``json`` covers jsonl
     name: str | None = None  # hub dataset name (type: hub)
     subset: str | None = None
     split: str = "train"
     text_field: str = "text"
-    add_eos: bool = True
-    max_documents: int | None = None
-    num_proc: int | None = None
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    add_eos: StrictBool = True
+    max_documents: PosInt | None = None
+    num_proc: PosInt | None = None
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
 
 
-@dataclass
-class TrainingConfig:
+class TrainingConfig(_Section):
     """Optimization. ``batch_size`` is sequences per data-parallel group per micro-step."""
 
-    max_steps: int | None = None  # optimizer steps; None: run ``epochs`` epochs
-    epochs: int = 1
-    batch_size: int = 1
-    grad_accum: int = 1
-    lr: float = 3e-4
-    lr_schedule: str = "cosine"  # cosine | linear | constant
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
-    max_grad_norm: float | None = 1.0
-    mixed_precision: str | None = None  # no | bf16 | fp16; None: the accelerate config's setting
-    checkpointing: str = "remat"  # remat | hf | none
-    backend: str = "auto"  # auto | reference | triton | sdpa
-    device: str = "auto"  # auto | cpu | cuda
+    max_steps: PosInt | None = None  # optimizer steps; None: run ``epochs`` epochs
+    epochs: PosInt = 1
+    batch_size: PosInt = 1
+    grad_accum: PosInt = 1
+    lr: PosFloat = 3e-4
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: NonNegInt = 0
+    min_lr_ratio: Fraction = 0.1
+    weight_decay: NonNegFloat = 0.0
+    betas: Annotated[list[Beta], Field(min_length=2, max_length=2)] = Field(
+        default_factory=lambda: [0.9, 0.95])
+    max_grad_norm: PosFloat | None = 1.0
+    # no | bf16 | fp16; None: the accelerate config's setting
+    mixed_precision: Annotated[Literal["no", "bf16", "fp16"] | None, BeforeValidator(_no_as_string)] = None
+    checkpointing: Literal[(*CHECKPOINTING_MODES, "none")] = "remat"  # type: ignore[valid-type]
+    backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    timeout_s: PosFloat = 600.0  # bound on every collective wait (a frozen or missing peer ends the run)
+    on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
 
 
-@dataclass
-class LoggingConfig:
+class LoggingConfig(_Section):
     """Progress bar, metrics (JSON lines), loss-curve PNG, evaluation cadence."""
 
-    every: int = 1
-    eval_every: int = 0  # steps between retrieval evaluations (synthetic data); 0: only at the end
-    progress_bar: bool = True
+    every: PosInt = 1
+    eval_every: NonNegInt = 0  # steps between retrieval evaluations (synthetic data); 0: only at the end
+    progress_bar: StrictBool = True
     metrics_file: str = "metrics.jsonl"
-    plot: bool = True
-    peak_tflops: float | None = None  # for MFU; default: 989 on H100/H200, else unknown
+    plot: StrictBool = True
+    peak_tflops: PosFloat | None = None  # for MFU; default: 989 on H100/H200, else unknown
 
 
-@dataclass
-class SavingConfig:
-    """Checkpoints under ``output_dir/checkpoint-<step>``; ``resume_from``: a path or ``latest``."""
+class SavingConfig(_Section):
+    """Checkpoints under ``output_dir/checkpoint-<step>``; ``resume_from``: a checkpoint path,
+    ``latest`` (the newest complete one; an error if none) or ``latest_or_fresh``."""
 
-    every: int = 0  # steps between checkpoints; 0: only at the end
-    final: bool = True
+    every: NonNegInt = 0  # steps between checkpoints; 0: only at the end
+    final: StrictBool = True
     resume_from: str | None = None
-    save_optimizer: bool = True
+    save_optimizer: StrictBool = True
+    checksums: StrictBool = True  # sha256 of every file in the completion record, verified on resume
+    if_output_exists: Literal["error", "archive"] = "error"  # a fresh run into a used output_dir
+    on_schedule_change: Literal["error", "rebuild", "keep"] = "error"  # resume with another step count
 
 
-@dataclass
-class FinetuneConfig:
+class FinetuneConfig(_Section):
     """The whole run."""
 
-    context_length: int = 4096
-    sp_size: int | None = None  # ranks per sequence; None: every rank
+    context_length: PosInt = 4096
+    sp_size: PosInt | None = None  # ranks per sequence; None: every rank
     output_dir: str = "runs/finetune"
     tokenizer: str | None = None  # path, ``bytes``, or None (model.path's, if it has one)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    training: TrainingConfig = field(default_factory=TrainingConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
-    saving: SavingConfig = field(default_factory=SavingConfig)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    saving: SavingConfig = Field(default_factory=SavingConfig)
 
 
-_CHOICES = {
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "data.type": ("synthetic", "files", "hub"),
-    "data.format": ("auto", "json", "text", "parquet", "csv"),
-    "data.synthetic.task": ("passkey",),
-    "data.synthetic.filler": ("repeat", "random"),
-    "training.lr_schedule": ("cosine", "linear", "constant"),
-    "training.mixed_precision": (None, "no", "bf16", "fp16"),
-    "training.checkpointing": (*CHECKPOINTING_MODES, "none"),
-    "training.backend": BACKENDS,
-    "training.device": ("auto", "cpu", "cuda"),
-}
+def _dotted(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
 
 
-def _build(cls: type, data: Any, prefix: str) -> Any:
-    """Build dataclass ``cls`` from a mapping, checking keys and types."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = prefix.rstrip(".") or "top level"
-        raise ConfigError(
-            f"unknown key {prefix}{unknown[0]} (in {where}; known keys: {', '.join(sorted(names))})"
-        )
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key + ".")
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    if value is None:
-        if optional:
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    cls: Any = FinetuneConfig
+    for part in loc:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
-        raise ConfigError(f"{key} may not be null")
-    base = next((a for a in args if a is not type(None)), hint) if isinstance(hint, types.UnionType) or \
-        typing.get_origin(hint) is typing.Union else hint
-    if base is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if base is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if base is float:
-        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if base is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
-        return str(value)
-    if base is list:
-        if isinstance(value, (str, int, float)):
-            value = [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        return value
-    if base is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a mapping, got {value!r}")
-        return value
-    return value
+        cls = field.annotation
+    return cls
+
+
+def _describe(err: dict) -> str:
+    """One pydantic error as a sentence that starts with the dotted key."""
+    loc = tuple(err["loc"])
+    key = _dotted(loc) or "config"
+    if err["type"] == "extra_forbidden":
+        section = _section_at(loc[:-1])
+        known = f"; known keys: {', '.join(sorted(section.model_fields))}" if section else ""
+        return f"unknown key {key} (in {_dotted(loc[:-1]) or 'top level'}{known})"
+    msg = err["msg"]
+    msg = msg[0].lower() + msg[1:]
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return f"{key}: expected a mapping; got {err['input']!r}"
+    if err["type"] == "missing":
+        return f"{key}: {msg}"
+    return f"{key}: {msg}; got {err['input']!r}"
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -250,10 +246,15 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, base_dir: s
     exist relative to the working directory. ``world_size``, when given, is checked
     against ``sp_size``.
     """
-    data = dict(data or {})
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
+    data = copy.deepcopy(data or {})
     for key, value in parse_overrides(overrides or []):
         _set_dotted(data, key, value)
-    cfg = _build(FinetuneConfig, data, "")
+    try:
+        cfg = FinetuneConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError("; ".join(_describe(err) for err in e.errors())) from None
     validate(cfg, base_dir=base_dir, world_size=world_size)
     return cfg
 
@@ -288,43 +289,9 @@ def _need_path(value: str, key: str, what: str = "path") -> None:
 
 
 def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size: int | None = None) -> None:
-    """Check values, choices, divisibility and paths; raise ConfigError naming the key."""
+    """Checks the schema cannot make alone (several keys, the world size, paths); raise ConfigError
+    naming the key. Relative paths are resolved in place."""
     base = Path(base_dir) if base_dir is not None else None
-    d = cfg.to_dict()
-    for dotted, choices in _CHOICES.items():
-        node: Any = d
-        for part in dotted.split("."):
-            node = node[part]
-        if node not in choices:
-            shown = ", ".join("null" if c is None else c for c in choices)
-            raise ConfigError(f"{dotted} must be one of {shown}; got {node!r}")
-
-    def positive(key: str, value: Any, allow_zero: bool = False) -> None:
-        if value is not None and (value < 0 or (value == 0 and not allow_zero)):
-            raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}; got {value}")
-
-    positive("context_length", cfg.context_length)
-    positive("sp_size", cfg.sp_size)
-    t = cfg.training
-    for key in ("max_steps", "epochs", "batch_size", "grad_accum", "lr"):
-        positive(f"training.{key}", getattr(t, key))
-    for key in ("warmup_steps", "weight_decay"):
-        positive(f"training.{key}", getattr(t, key), allow_zero=True)
-    positive("training.max_grad_norm", t.max_grad_norm)
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        raise ConfigError(f"training.min_lr_ratio must be in [0, 1]; got {t.min_lr_ratio}")
-    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"training.betas must be two numbers in [0, 1); got {t.betas}")
-    positive("logging.every", cfg.logging.every)
-    positive("logging.eval_every", cfg.logging.eval_every, allow_zero=True)
-    positive("saving.every", cfg.saving.every, allow_zero=True)
-    s = cfg.data.synthetic
-    for key in ("num_values", "passkey_len", "num_samples", "needle_repeat", "filler_period"):
-        positive(f"data.synthetic.{key}", getattr(s, key))
-    positive("data.synthetic.eval_samples", s.eval_samples, allow_zero=True)
-    if not 0.0 < s.needle_max_frac < 1.0:
-        raise ConfigError(f"data.synthetic.needle_max_frac must be in (0, 1); got {s.needle_max_frac}")
-
     sp = cfg.sp_size or world_size  # None: not launched yet and no sp_size given
     if world_size is not None and world_size % sp:
         raise ConfigError(
@@ -363,6 +330,7 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     if dc.type == "hub" and not dc.name:
         raise ConfigError("data.name: data.type is 'hub' but no dataset name is given")
     if dc.type == "synthetic":
+        s = dc.synthetic
         vocab = (m.config or {}).get("vocab_size")
         need = 4 + s.num_values * s.passkey_len
         if vocab is not None and vocab < need:
@@ -372,6 +340,7 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
             )
 
     r = cfg.saving.resume_from
-    if r is not None and r != "latest":
+    if r is not None and r not in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
         cfg.saving.resume_from = _resolve(r, base)
-        _need_path(cfg.saving.resume_from, "saving.resume_from", "checkpoint directory")
+        _need_path(cfg.saving.resume_from, "saving.resume_from",
+                   f"checkpoint directory (or '{RESUME_LATEST}' / '{RESUME_LATEST_OR_FRESH}')")

@@ -20,6 +20,9 @@ _FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", 
             ".parquet": "parquet", ".csv": "csv"}
 
 
+BYTE_TOKENIZER_FILE = "lightseq_tokenizer.json"
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens (ids 0..255) and an end-of-text id 256: no files needed."""
 
@@ -34,6 +37,10 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Mark ``directory`` (a checkpoint) as using this tokenizer (:func:`load_tokenizer` reads it)."""
+        Path(directory, BYTE_TOKENIZER_FILE).write_text('{"tokenizer": "bytes", "vocab_size": 257}\n')
+
 
 def load_tokenizer(name: str | None, model_path: str | None = None) -> Any:
     """``bytes`` -> :class:`ByteTokenizer`; a path -> ``AutoTokenizer``; None -> model_path's or None."""
@@ -42,6 +49,8 @@ def load_tokenizer(name: str | None, model_path: str | None = None) -> Any:
     path = name or model_path
     if path is None:
         return None
+    if Path(path, BYTE_TOKENIZER_FILE).is_file():  # a checkpoint of a run that used `bytes`
+        return ByteTokenizer()
     from transformers import AutoTokenizer
 
     try:

@@ -14,7 +14,7 @@ import json
 import math
 import os
 import platform
-import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,18 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.sharding import shard_for
-from .config import ConfigError, FinetuneConfig, validate
+from .config import RESUME_LATEST, RESUME_LATEST_OR_FRESH, ConfigError, FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer, passkey_spec
+from .guards import NonFiniteError, Progress, fault
+from .saving import (
+    CheckpointError,
+    checkpoint_step,
+    find_latest_checkpoint,
+    publish,
+    temporary_path,
+    verify_checkpoint,
+    write_completion_record,
+)
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
                "B200": 2250.0}
@@ -38,6 +48,8 @@ class TrainState:
         self.epoch = 0
         self.samples_in_epoch = 0  # samples this data-parallel group consumed in the current epoch
         self.tokens = 0  # tokens trained on, all data-parallel groups together
+        self.schedule_steps: int | None = None  # the step count the learning-rate schedule spans
+        self.skipped_steps = 0  # steps whose update was skipped (non-finite, training.on_nonfinite=skip)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
@@ -119,30 +131,120 @@ def _peak_tflops(cfg: FinetuneConfig, device: torch.device) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def find_latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The ``checkpoint-<step>`` directory with the highest step under ``output_dir``."""
-    found = []
-    for p in Path(output_dir).glob("checkpoint-*"):
-        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
-        if m and (p / "state").is_dir():
-            found.append((int(m.group(1)), p))
-    return max(found)[1] if found else None
+def _warn(msg: str) -> None:
+    print(f"[lightseq] warning: {msg}", flush=True)
+
+
+_RUN_FILES = ("summary.json", "loss.png", "config.json")
+
+
+def _existing_run(out_dir: Path, metrics_file: str) -> list[Path]:
+    """What a previous run left in ``out_dir`` (metrics, summary, checkpoints, interrupted saves)."""
+    found = [p for p in (out_dir / metrics_file, out_dir / "summary.json") if p.exists()]
+    found += sorted(p for p in out_dir.glob("checkpoint-*") if checkpoint_step(p) is not None)
+    found += sorted(out_dir.glob(".checkpoint-*.tmp"))
+    return found
+
+
+def _check_writable(out_dir: Path, dry_run: bool) -> None:
+    try:
+        if dry_run:
+            parent = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
+            if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+                raise PermissionError(f"{parent} is not a writable directory")
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot write to {out_dir} ({e.strerror or e}); choose a writable "
+                          "directory") from None
+
+
+def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | None:
+    """Check ``output_dir`` is writable, pick the checkpoint to resume from, protect a previous run.
+
+    Returns the checkpoint directory to load (verified complete and intact) or None for a fresh
+    start. Raises ConfigError or CheckpointError naming the problem. Main process only;
+    ``dry_run`` checks the same without creating, moving or printing anything.
+    """
+    out_dir = Path(cfg.output_dir)
+    _check_writable(out_dir, dry_run)
+    s = cfg.saving
+    resume: Path | None = None
+    if s.resume_from in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
+        resume, skipped = find_latest_checkpoint(out_dir, s.checksums, require="state")
+        for reason in skipped if not dry_run else ():
+            _warn(f"skipped {reason}")
+        if resume is None and s.resume_from == RESUME_LATEST:
+            why = f" ({len(skipped)} skipped: {'; '.join(skipped)})" if skipped else ""
+            raise ConfigError(
+                f"saving.resume_from=latest: no complete checkpoint with training state in {out_dir}{why}. "
+                "Pass a checkpoint path, or saving.resume_from=latest_or_fresh to start from step 0 when "
+                "there is none"
+            )
+        if resume is None and not dry_run:
+            print(f"[lightseq] saving.resume_from=latest_or_fresh: no complete checkpoint in {out_dir}; "
+                  "starting from step 0", flush=True)
+    elif s.resume_from is not None:
+        resume = Path(s.resume_from)
+        verify_checkpoint(resume, s.checksums)
+    if resume is not None and not (resume / "state").is_dir():
+        raise CheckpointError(
+            f"{resume} holds weights only (saved with saving.save_optimizer=false): there is no state/ to "
+            f"resume from. Start a new run from its weights with model.path={resume}"
+        )
+    if resume is None:
+        previous = _existing_run(out_dir, cfg.logging.metrics_file)
+        archive_ok = s.if_output_exists == "archive" or s.resume_from == RESUME_LATEST_OR_FRESH
+        if previous and not archive_ok:
+            names = ", ".join(p.name for p in previous[:4]) + (", ..." if len(previous) > 4 else "")
+            raise ConfigError(
+                f"output_dir {out_dir} already holds a run ({names}). Resume it with "
+                "saving.resume_from=latest, choose another output_dir, or set saving.if_output_exists="
+                "archive to move the old run into a subdirectory"
+            )
+        if previous and not dry_run:
+            stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+            archive = out_dir / f"previous-{stamp}"
+            while archive.exists():
+                archive, n = out_dir / f"previous-{stamp}-{n}", n + 1
+            archive.mkdir()
+            for p in previous + [out_dir / n for n in _RUN_FILES if (out_dir / n).exists()]:
+                if p.exists():
+                    shutil.move(str(p), str(archive / p.name))
+            print(f"[lightseq] moved the previous run (nothing to resume from) to {archive}", flush=True)
+    return resume
 
 
 class _Writer:
-    """Metrics as JSON lines (main process only)."""
+    """Metrics as JSON lines (main process only). Resuming keeps the records up to the resumed step;
+    later ones (steps that will run again) are first copied to ``<metrics>.before-resume-<step>``."""
 
     def __init__(self, path: Path | None, keep_until_step: int | None) -> None:
         self.path = path
-        if path is None:
+        if path is None or not path.exists():
             return
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if keep_until_step is None:  # prepare_output_dir moved or refused a previous run
+            raise RuntimeError(f"{path} exists on a fresh start")
         kept = []
-        if keep_until_step is not None and path.exists():  # resuming into the same directory
-            for line in path.read_text().splitlines():
+        for line in lines:
+            try:
                 rec = json.loads(line)
-                if rec.get("step", 0) <= keep_until_step:
-                    kept.append(line)
-        path.write_text("".join(line + "\n" for line in kept))
+            except ValueError:  # a line cut short by a crash
+                continue
+            if rec.get("step", 0) <= keep_until_step:
+                kept.append(line)
+        if len(kept) < len(lines):
+            backup = path.with_name(f"{path.name}.before-resume-{keep_until_step}")
+            shutil.copyfile(path, backup)
+            print(f"[lightseq] {len(lines) - len(kept)} metrics records after step {keep_until_step} (they "
+                  f"run again) are kept in {backup}", flush=True)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
 
     def write(self, record: dict) -> None:
         if self.path is not None:
@@ -221,31 +323,105 @@ def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: in
             "eval_samples": n_eval, "answer_tokens": int(tt)}
 
 
+def _main_decides(accelerator: Any, fn: Any) -> Any:
+    """Run ``fn`` on the main process and hand its result, or its ConfigError/CheckpointError, to every
+    rank (so that all ranks stop together, with the same message)."""
+    result: list[Any] = [None, None]
+    if accelerator.is_main_process:
+        try:
+            result = [fn(), None]
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
+            result = [None, (type(e).__name__, str(e))]
+    if accelerator.num_processes > 1:
+        device = accelerator.device if dist.get_backend() == "nccl" else None
+        dist.broadcast_object_list(result, src=0, device=device)
+    if result[1] is not None:
+        kind, msg = result[1]
+        known = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}
+        raise known[kind](msg) if kind in known else RuntimeError(f"{kind}: {msg}")
+    return result[0]
+
+
+def _load_resume_state(accelerator: Any, resume: Path) -> None:
+    try:
+        accelerator.load_state(str(resume / "state"))
+    except Exception as e:  # a file the completion record could not vouch for (checksums off, old version)
+        raise CheckpointError(f"{resume}: loading the training state failed ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+
+
+def _reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int, scheduler: Any,
+                        resume: Path) -> None:
+    """A resumed run whose step count differs from the checkpoint's: error, or the configured choice."""
+    saved = state.schedule_steps
+    if saved is None or saved == total_steps:
+        state.schedule_steps = total_steps
+        return
+    choice = cfg.saving.on_schedule_change
+    old_lr = cfg.training.lr * lr_lambda(cfg, saved)(state.step)
+    new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(state.step)
+    if choice == "error":
+        raise ConfigError(
+            f"saving.on_schedule_change: {resume} was trained with a learning-rate schedule of {saved} "
+            f"steps, this run has {total_steps}; resuming would move the learning rate at step {state.step} "
+            f"from {old_lr:.3g} to {new_lr:.3g}. Set saving.on_schedule_change=keep (finish the old "
+            "schedule, then hold its final rate) or =rebuild (stretch the schedule to the new length)"
+        )
+    if choice == "rebuild":
+        state.schedule_steps = total_steps
+        print(f"[lightseq] saving.on_schedule_change=rebuild: schedule of {saved} steps rebuilt for "
+              f"{total_steps}; learning rate at step {state.step}: {old_lr:.3g} -> {new_lr:.3g}", flush=True)
+    else:
+        print(f"[lightseq] saving.on_schedule_change=keep: the {saved}-step schedule continues "
+              f"(learning rate at step {state.step}: {old_lr:.3g}) for {total_steps} steps", flush=True)
+    scheduler.lr_lambdas = [lr_lambda(cfg, state.schedule_steps)] * len(scheduler.lr_lambdas)
+
+
+def _finite(x: float | None) -> bool:
+    return x is None or math.isfinite(x)
+
+
 def train(cfg: FinetuneConfig) -> dict:
-    """Run the fine-tune the config describes; return the summary (also written to summary.json)."""
+    """Run the fine-tune the config describes; return the summary (also written to summary.json).
+
+    Raises ConfigError, CheckpointError, NonFiniteError or PeerFailure with a message naming the
+    problem (the CLI prints it as one line)."""
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import InitProcessGroupKwargs, set_seed
 
     t = cfg.training
     use_cpu = t.device == "cpu" or (t.device == "auto" and not torch.cuda.is_available())
     if t.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device is 'cuda' but no CUDA device is available")
-    accelerator = Accelerator(cpu=use_cpu, mixed_precision=t.mixed_precision)
+    timeout = datetime.timedelta(seconds=t.timeout_s)
+    accelerator = Accelerator(cpu=use_cpu, mixed_precision=t.mixed_precision,
+                              kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
     world = accelerator.num_processes
     validate(cfg, world_size=world)
     set_seed(t.seed)  # the same initial weights on every rank
+    progress = Progress(accelerator.process_index, world, t.timeout_s)
 
     from ..parallel.groups import init_sequence_parallel
 
-    groups = init_sequence_parallel(cfg.sp_size or world)
-    out_dir = Path(cfg.output_dir)
+    with progress.phase("set-up", 0):
+        groups = init_sequence_parallel(cfg.sp_size or world, timeout=timeout)
+        out_dir = Path(cfg.output_dir)
+        resume = _main_decides(accelerator, lambda: prepare_output_dir(cfg))
     if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
     device = accelerator.device
 
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
-    model = build_model(cfg, device)
+    try:
+        model = build_model(cfg, device)
+    except Exception as e:
+        refused = isinstance(e, (ValueError, TypeError, KeyError)) or \
+            type(e).__module__.split(".")[0] in ("transformers", "huggingface_hub")
+        if not refused:  # not transformers refusing the architecture entries
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model: transformers could not build the model from model.path/model.config: "
+                          f"{msg}") from e
     vocab_size = model.config.vocab_size
     model = apply_patch(model, cfg, groups.sp_group)
     n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
@@ -269,11 +445,16 @@ def train(cfg: FinetuneConfig) -> dict:
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)
 
-    resume = cfg.saving.resume_from
-    if resume == "latest":
-        resume = find_latest_checkpoint(out_dir)
     if resume is not None:
-        accelerator.load_state(str(Path(resume) / "state"))
+        with progress.phase(f"loading {resume.name}", 0):
+            _load_resume_state(accelerator, resume)
+        _reconcile_schedule(cfg, state, total_steps, scheduler, resume)
+        if accelerator.is_main_process:
+            print(f"[lightseq] resumed from {resume}: step {state.step}, epoch {state.epoch}, "
+                  f"{state.tokens} tokens trained; weights, optimizer, scheduler and RNG states loaded"
+                  + (" (checksums verified)" if cfg.saving.checksums else ""), flush=True)
+    else:
+        state.schedule_steps = total_steps
     writer = _Writer(out_dir / cfg.logging.metrics_file if accelerator.is_main_process else None,
                      state.step if resume is not None else None)
 
@@ -299,12 +480,20 @@ def train(cfg: FinetuneConfig) -> dict:
     t_start = time.perf_counter()
     train_time = 0.0
     last_loss = float("nan")
+    rank = accelerator.process_index
+    # fp16's gradient scaler skips steps with overflowed gradients itself: only the loss is checked then
+    check_grad_norm = getattr(accelerator, "scaler", None) is None
 
     def run_eval() -> dict:
-        res = evaluate_passkey(model, cfg, vocab_size, groups, device, t.batch_size)
+        with progress.phase("evaluation", state.step):
+            res = evaluate_passkey(model, cfg, vocab_size, groups, device, t.batch_size)
         res.update(kind="eval", step=state.step)
         writer.write(res)
         return res
+
+    def save() -> Path:
+        with progress.phase("checkpoint save", state.step):
+            return save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
 
     model.train()
     start_step = state.step
@@ -323,24 +512,45 @@ def train(cfg: FinetuneConfig) -> dict:
                 batches.append(b)
             if not batches:
                 break
+            step = state.step + 1
             tic = time.perf_counter()
-            loss_sum = torch.zeros((), device=device)
-            for i, batch in enumerate(batches):
-                sync = i == len(batches) - 1
-                ctx = contextlib.nullcontext() if sync else accelerator.no_sync(model)
-                with ctx:
-                    out = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device))
-                    accelerator.backward(out.loss / len(batches))
-                loss_sum += out.loss.detach().float()
-            if state.step == start_step:
-                check_every_parameter_has_a_gradient(model)
-            grad_norm = None
-            if t.max_grad_norm is not None:
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-            optimizer.step()
+            fault("step", rank, step)
+            with progress.phase("forward/backward", step):
+                loss_sum = torch.zeros((), device=device)
+                for i, batch in enumerate(batches):
+                    sync = i == len(batches) - 1
+                    ctx = contextlib.nullcontext() if sync else accelerator.no_sync(model)
+                    with ctx:
+                        out = model(input_ids=batch["input_ids"].to(device),
+                                    labels=batch["labels"].to(device))
+                        accelerator.backward(out.loss / len(batches))
+                    loss_sum += out.loss.detach().float()
+                if fault("loss", rank, step):
+                    loss_sum += float("nan")
+                if state.step == start_step:
+                    check_every_parameter_has_a_gradient(model)
+            with progress.phase("loss all-reduce and gradient norm", step):
+                loss = accelerator.reduce(loss_sum / len(batches), reduction="mean").item()
+                grad_norm = None
+                if t.max_grad_norm is not None or check_grad_norm:
+                    max_norm = t.max_grad_norm if t.max_grad_norm is not None else float("inf")
+                    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), max_norm))
+            skipped = not (_finite(loss) and (_finite(grad_norm) or not check_grad_norm))
+            if skipped and t.on_nonfinite == "error":
+                raise NonFiniteError(
+                    f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); stopped before "
+                    "the update, so no saved checkpoint holds it. Lower training.lr or check the data; "
+                    "training.on_nonfinite=skip skips such steps instead"
+                )
+            if skipped:
+                state.skipped_steps += 1
+                if accelerator.is_main_process:
+                    _warn(f"step {step}: non-finite loss ({loss}) or gradient norm ({grad_norm}); update "
+                          f"skipped (training.on_nonfinite=skip; {state.skipped_steps} skipped so far)")
+            else:
+                optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            loss = accelerator.reduce(loss_sum / len(batches), reduction="mean").item()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - tic
@@ -353,7 +563,9 @@ def train(cfg: FinetuneConfig) -> dict:
                    "lr": scheduler.get_last_lr()[0], "step_time_s": dt, "tokens": state.tokens,
                    "tokens_per_s": tokens_per_step / dt, "elapsed_s": time.perf_counter() - t_start}
             if grad_norm is not None:
-                rec["grad_norm"] = float(grad_norm)
+                rec["grad_norm"] = grad_norm
+            if skipped:
+                rec["skipped"] = True
             tflops = flops_per_step / dt / world / 1e12
             if device.type == "cuda":
                 rec["tflops_per_gpu"] = tflops
@@ -361,7 +573,7 @@ def train(cfg: FinetuneConfig) -> dict:
                     rec["mfu"] = tflops / peak
                 mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
                 rec["peak_mem_gib_per_rank"] = [round(float(x), 2) for x in accelerator.gather(mem).cpu()]
-            if state.step % cfg.logging.every == 0 or state.step == total_steps:
+            if state.step % cfg.logging.every == 0 or state.step == total_steps or skipped:
                 writer.write(rec)
             post = {"loss": f"{loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
             if "mfu" in rec:
@@ -375,7 +587,7 @@ def train(cfg: FinetuneConfig) -> dict:
                 last_eval = run_eval()
                 bar.set_postfix({**post, "acc": f"{last_eval['accuracy']:.2f}"})
             if cfg.saving.every and state.step % cfg.saving.every == 0 and state.step < total_steps:
-                save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+                save()
             if state.step >= total_steps:
                 done = True
                 break
@@ -389,13 +601,14 @@ def train(cfg: FinetuneConfig) -> dict:
         last_eval = run_eval()
     ckpt = None
     if cfg.saving.final:
-        ckpt = save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+        ckpt = save()
     wall = time.perf_counter() - t_start
     summary = {
         "steps": state.step, "final_loss": last_loss, "wall_s": wall, "train_s": train_time,
         "tokens": state.tokens, "world_size": world, "sp_size": groups.sp_size, "dp_size": groups.dp_size,
         "context_length": cfg.context_length, "device": _device_name(device), "date":
         datetime.date.today().isoformat(), "checkpoint": str(ckpt) if ckpt else None,
+        "resumed_from": str(resume) if resume is not None else None, "skipped_steps": state.skipped_steps,
         "torch": torch.__version__, "host": platform.node(),
     }
     if last_eval:
@@ -411,7 +624,8 @@ def train(cfg: FinetuneConfig) -> dict:
             msg += (f", retrieval accuracy {last_eval['accuracy']:.3f} (chance {last_eval['chance']:.3f},"
                     f" {last_eval['eval_samples']} held-out samples)")
         print(msg + f"; outputs in {out_dir}", flush=True)
-    accelerator.wait_for_everyone()
+    with progress.phase("finish", state.step):
+        accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
 
@@ -436,16 +650,35 @@ def _device_name(device: torch.device) -> str:
 def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
                     state: TrainState, out_dir: Path) -> Path:
     """``checkpoint-<step>/``: save_pretrained model (+ tokenizer) and, under ``state/``, everything
-    needed to resume (weights, optimizer, scheduler, counters, RNG states of every rank)."""
-    path = out_dir / f"checkpoint-{state.step}"
+    needed to resume (weights, optimizer, scheduler, counters, RNG states of every rank).
+
+    Written under ``.checkpoint-<step>.tmp``; once every rank has finished, the main process
+    records every file (size, sha256) in ``checkpoint_complete.json`` and renames the directory,
+    so a crash at any point leaves either no ``checkpoint-<step>`` or a complete one."""
+    step = state.step
+    final, tmp = out_dir / f"checkpoint-{step}", temporary_path(out_dir, step)
+    rank = accelerator.process_index
+    if accelerator.is_main_process:
+        if tmp.exists():  # left by a save that crashed
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     state_dict = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
-        unwrapped.save_pretrained(path, state_dict=state_dict, safe_serialization=True)
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(path)
+            tokenizer.save_pretrained(tmp)
+    fault("save", rank, step)
     if cfg.saving.save_optimizer:
-        accelerator.save_state(str(path / "state"))
+        accelerator.save_state(str(tmp / "state"))
     accelerator.wait_for_everyone()
-    return path
+    if accelerator.is_main_process:
+        write_completion_record(tmp, step, {"epoch": state.epoch, "tokens": state.tokens,
+                                            "world_size": accelerator.num_processes,
+                                            "schedule_steps": state.schedule_steps}, cfg.saving.checksums)
+        aside = publish(tmp, final)
+        if aside is not None:
+            _warn(f"{final.name} already existed (from an earlier run); moved to {aside.name}")
+    accelerator.wait_for_everyone()
+    return final

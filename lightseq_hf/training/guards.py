@@ -1,0 +1,140 @@
+"""Run guards: non-finite values, peers that stop answering, and test-only fault injection.
+
+* :class:`NonFiniteError` stops a run whose loss or gradient norm is NaN/Inf, naming the step.
+* :class:`Progress` records what each rank is doing (in the process group's key-value store), so a
+  rank whose collective times out can say which operation it was in and where each peer last was;
+  :meth:`Progress.explain` turns the raw backend error into :class:`PeerFailure`.
+* :func:`fault` is the fault-injection hook of tests/test_faults.py: ``LIGHTSEQ_FAULT`` holds
+  ``point:rank:step:action`` entries (comma-separated; action ``kill``, ``hang``, ``stop`` or
+  ``nan``). Unset, it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import torch.distributed as dist
+
+FAULT_ENV = "LIGHTSEQ_FAULT"
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or gradient norm of a step is NaN or Inf."""
+
+
+class PeerFailure(RuntimeError):
+    """A collective did not complete: a peer rank is frozen, gone, or not calling the same operation."""
+
+
+def fault(point: str, rank: int, step: int) -> bool:
+    """Act on a matching ``LIGHTSEQ_FAULT`` entry: ``kill`` (SIGKILL self), ``stop`` (SIGSTOP self),
+    ``hang`` (sleep until killed); ``nan`` returns True (the caller injects a NaN)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return False
+    for entry in spec.split(","):
+        parts = entry.strip().split(":")
+        if len(parts) != 4:
+            raise ValueError(f"{FAULT_ENV} entry {entry!r} must look like point:rank:step:action")
+        where, r, s, action = parts
+        if where != point or int(r) != rank or int(s) != step:
+            continue
+        print(f"[lightseq] fault injection: {action} at {point}, rank {rank}, step {step}", flush=True)
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif action == "hang":
+            while True:
+                time.sleep(3600)
+        elif action == "nan":
+            return True
+        else:
+            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} (kill, stop, hang or nan)")
+    return False
+
+
+_COMM_HINTS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
+               "socket", "gloo", "nccl", "peer", "recv", "send")
+
+
+def is_comm_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a collective or point-to-point transfer that could not complete."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_HINTS)
+
+
+class Progress:
+    """What this rank is doing, published in the default store for its peers to read on failure."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float) -> None:
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.operation, self.step = "start-up", 0
+        self._store = None
+        if world > 1:
+            try:
+                from torch.distributed.distributed_c10d import _get_default_store
+
+                self._store = _get_default_store()
+            except Exception:  # no store to share progress through: errors still name this rank's op
+                self._store = None
+
+    def _key(self, rank: int) -> str:
+        return f"lightseq_progress/{rank}"
+
+    def set(self, operation: str, step: int) -> None:
+        self.operation, self.step = operation, step
+        if self._store is not None:
+            try:
+                self._store.set(self._key(self.rank), json.dumps({"op": operation, "step": step,
+                                                                   "time": time.time()}))
+            except Exception:
+                self._store = None
+
+    @contextlib.contextmanager
+    def phase(self, operation: str, step: int) -> Iterator[None]:
+        """Run a block as ``operation``; a failed collective inside becomes :class:`PeerFailure`."""
+        self.set(operation, step)
+        try:
+            yield
+        except (NonFiniteError, PeerFailure):
+            raise
+        except Exception as e:
+            if self.world > 1 and is_comm_failure(e):
+                raise self.explain(e) from e
+            raise
+
+    def peers(self) -> str:
+        """Where every other rank last reported being (best effort: the store may be gone)."""
+        if self._store is None:
+            return "peer progress unknown"
+        notes = []
+        with contextlib.suppress(Exception):
+            self._store.set_timeout(datetime.timedelta(seconds=2))
+        now = time.time()
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            try:
+                rec = json.loads(self._store.get(self._key(r)))
+                notes.append(f"rank {r} last in '{rec['op']}' at step {rec['step']} "
+                             f"({now - rec['time']:.0f} s ago)")
+            except Exception:
+                notes.append(f"rank {r}: no report (gone, or never started)")
+        return "; ".join(notes)
+
+    def explain(self, exc: BaseException) -> PeerFailure:
+        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        return PeerFailure(
+            f"rank {self.rank}: '{self.operation}' at step {self.step} could not complete: a peer did not "
+            f"answer within training.timeout_s={self.timeout_s:g} s or left ({self.peers()}). Backend "
+            f"said: {reason}"
+        )
