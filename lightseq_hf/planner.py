@@ -84,6 +84,7 @@ class MemoryPlan:
     peak_gpu: int
     peak_host: int
     moment: str  # which moment sets the GPU peak
+    moments: dict = field(default_factory=dict)  # device bytes at every moment
     gpu: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
 
@@ -139,6 +140,8 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
 
     # -- one layer's recompute + backward
     working = _layer_working_set(shape, n, c, opts)
+    if opts.checkpointing == "none":  # nothing is recomputed: the layer's saved tensors are in ``kept``
+        working -= sum(_layer_saved(shape, n, c, opts.tiled_mlp))
 
     # -- loss, embeddings, final norm
     vocab_grad = shape.vocab * h * 4  # the fused loss's float32 head gradient (unsharded)
@@ -146,7 +149,9 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
             + n * h * (4 + c))  # final norm: float32 upcast and output
     loss_forward = 3 * min(opts.loss_chunk, n) * shape.vocab * 4  # one chunk's float32 logits, exp, dlogits
     embed_out = n * h * c
-    embed_grad = shape.vocab * h * c  # dense embedding gradient (unsharded compute dtype)
+    # FSDP: the dense embedding gradient, unsharded in the compute dtype, before its reduce-scatter
+    # (replicated, it is the parameter's own gradient, counted with the gradients)
+    embed_grad = shape.vocab * h * c if opts.sharding == "fsdp" else 0
 
     common = {"weights (master, this rank's shard)": weights,
               "optimizer state (AdamW)": adam,
@@ -173,6 +178,7 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
                "optimizer step": step}
     name, parts = max(moments.items(), key=lambda kv: sum(kv[1].values()))
     return MemoryPlan(peak_gpu=int(sum(parts.values())), peak_host=int(sum(host.values())), moment=name,
+                      moments={k: int(sum(v.values())) for k, v in moments.items()},
                       gpu={k: int(v) for k, v in parts.items()}, host={k: int(v) for k, v in host.items()})
 
 
