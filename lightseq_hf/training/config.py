@@ -90,6 +90,10 @@ class TrainingConfig:
     backend: str = "auto"  # auto | reference | triton | sdpa
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
+    # memory options (issue 14; README "Memory")
+    offload_checkpoints: bool = False  # what checkpointed layers keep -> pinned host memory, prefetched
+    tiled_mlp: int | None = None  # MLP tokens per tile (e.g. 8192); null: untiled
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: master weights, gradients, AdamW state on the host
 
 
 @dataclass
@@ -311,6 +315,10 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     for key in ("warmup_steps", "weight_decay"):
         positive(f"training.{key}", getattr(t, key), allow_zero=True)
     positive("training.max_grad_norm", t.max_grad_norm)
+    positive("training.tiled_mlp", t.tiled_mlp)
+    if t.offload_checkpoints and t.checkpointing == "none":
+        raise ConfigError("training.offload_checkpoints needs checkpointing (training.checkpointing remat or "
+                          "hf): it offloads what checkpointed layers keep")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"training.min_lr_ratio must be in [0, 1]; got {t.min_lr_ratio}")
     if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
