@@ -185,7 +185,8 @@ def _average(grads, world):
 
 
 #: (checkpointing, offload through, tiled_mlp)
-OPTIONS = [("remat", "transformers", None), ("remat", None, 5), ("remat", "patch", 5), ("hf", "transformers", 5)]
+OPTIONS = [("remat", "transformers", None), ("remat", None, 5), ("remat", "patch", 5),
+           ("hf", "transformers", 5)]
 
 
 def worker_memory_options(rank, world):
@@ -201,7 +202,8 @@ def worker_memory_options(rank, world):
     for mode, offload, tile in OPTIONS:
         tag = f"checkpointing {mode} offload {offload} tiled_mlp {tile}"
         model = make_model("llama", layers=LAYERS)
-        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=offload == "patch", tiled_mlp=tile)
+        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=offload == "patch",
+                                tiled_mlp=tile)
         _enable(model, **({"offload": True} if offload == "transformers" else {}))
         if offload:
             model.lightseq_offloader.min_bytes = 0  # the tiny lse too (608 bytes)
@@ -227,9 +229,11 @@ def worker_memory_options(rank, world):
             stats = model.lightseq_offloader.stats
             cache = 2 if mode == "remat" else 0
             if (stats.offloaded_tensors, stats.cache_tensors) != (LAYERS * (1 + cache), LAYERS * cache):
-                failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache {stats.cache_tensors}")
+                failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache "
+                                f"{stats.cache_tensors}")
             if stats.fetch_order != list(range(LAYERS - 1, -1, -1)) or stats.prefetched_groups != LAYERS - 1:
-                failures.append(f"{tag}: fetch order {stats.fetch_order}, prefetched {stats.prefetched_groups}")
+                failures.append(f"{tag}: fetch order {stats.fetch_order}, prefetched "
+                                f"{stats.prefetched_groups}")
     lightseq_hf.unpatch_llama()
     return failures
 
