@@ -112,3 +112,21 @@ def test_memory_options_move_memory():
     assert at(limits[0]) <= 139 * GIB < at(limits[0] + 8192)
     with pytest.raises(ValueError, match="not divisible by sp_size"):
         plan_memory(shape, PlanOptions(context=1001, sp_size=2))
+
+
+def test_config_keys_and_cli_plan(capsys):
+    from lightseq_hf.training.cli import main
+    from lightseq_hf.training.config import ConfigError, load_config
+
+    cfg = ROOT / "configs/llama2-7b-32k-2gpu.yaml"
+    loaded = load_config(cfg, ["training.offload_checkpoints=true", "training.tiled_mlp=8192"])
+    assert loaded.training.offload_checkpoints and loaded.training.tiled_mlp == 8192
+    with pytest.raises(ConfigError, match="training.tiled_mlp must be > 0"):
+        load_config(cfg, ["training.tiled_mlp=0"])
+    with pytest.raises(ConfigError, match="training.offload_checkpoints needs checkpointing"):
+        load_config(cfg, ["training.offload_checkpoints=true", "training.checkpointing=none"])
+    argv = [str(cfg), "training.offload_checkpoints=true", "--plan", "--world", "2", "--host-gib", "128"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "peak device memory per rank" in text and "offloaded_checkpoints" in text
+    assert "longest context that fits 139 GiB device and 128 GiB host" in text
