@@ -7,6 +7,11 @@ is still checkpointed, but with torch's selective checkpointing: the distributed
 the forward and serve both the recompute of what follows and the attention backward; every other
 op is PREFER_RECOMPUTE. The attention forward then runs once per layer per step, and the
 gradients are those of no checkpointing.
+
+With offload (``route_checkpointing(..., offload=True)``, or Transformers'
+``activation_checkpointing_enable(offload=True)``), what each checkpointed layer keeps — its input
+and, under remat, the attention's (out, lse) — lives in pinned host memory, copied on a side stream
+and prefetched one layer ahead in backward (:mod:`lightseq_hf.offload`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .offload import CheckpointOffloader
 from .parallel import ops as _ops  # noqa: F401  (registers torch.ops.lightseq_hf.*)
 
 CHECKPOINTING_MODES = ("remat", "hf")
@@ -59,18 +65,77 @@ def as_remat(func: Callable) -> Callable:
 
 
 def as_hf(func: Callable) -> Callable:
-    """The checkpoint function :func:`as_remat` wrapped (or ``func`` itself)."""
+    """The checkpoint function :func:`as_remat` or :class:`OffloadingCheckpoint` wrapped (or ``func``)."""
+    if isinstance(func, OffloadingCheckpoint):
+        return func.original
     if getattr(func, "_lightseq_remat", False):
         return func.args[0]  # type: ignore[attr-defined]
     return func
 
 
-def route_checkpointing(model: torch.nn.Module, mode: str) -> int:
+def hf_checkpoint_parts(func: Callable) -> tuple[dict, bool] | None:
+    """``(checkpoint kwargs, offload)`` of a checkpoint function Transformers built —
+    ``partial(torch.utils.checkpoint.checkpoint, **kwargs)``, or with ``offload=True`` a ``partial``
+    of its closure that runs the checkpoint under ``save_on_cpu`` — else None (a function of the
+    user's own)."""
+    if not isinstance(func, functools.partial) or func.args:
+        return None
+    if func.func is checkpoint:
+        return dict(func.keywords), False
+    code = getattr(func.func, "__code__", None)
+    if code is not None and code.co_name == "checkpoint_func" and "save_on_cpu" in code.co_names:
+        return dict(func.keywords), True
+    return None
+
+
+class OffloadingCheckpoint:
+    """The checkpoint function of a layer whose kept tensors live in host memory.
+
+    ``torch.utils.checkpoint.checkpoint`` (non-reentrant) with ``kwargs``, inside ``offloader``'s
+    hooks; under ``remat`` with the rematerialization-aware policy, and the attention tensors its
+    cache keeps are offloaded too. ``original`` is the function it replaces (restored by
+    :func:`restore_checkpointing`).
+    """
+
+    def __init__(self, original: Callable, kwargs: dict, remat: bool, offloader: CheckpointOffloader) -> None:
+        self.original = original
+        self.kwargs = {**kwargs, "use_reentrant": False}
+        self.remat = remat
+        self.offloader = offloader
+
+    def __call__(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        kwargs = {**self.kwargs, **kwargs, "use_reentrant": False}
+        caches = []
+        if self.remat:
+            def context_fn() -> tuple[Any, Any]:
+                pair = remat_context_fn()
+                caches.append(pair[0])
+                return pair
+
+            kwargs["context_fn"] = context_fn
+        with self.offloader.group() as group:
+            out = checkpoint(function, *args, **kwargs)
+        if caches:
+            self.offloader.take_cache(group, caches[0].storage)
+        return out
+
+
+def restore_checkpointing(model: torch.nn.Module) -> None:
+    """Give every checkpointed module of ``model`` back the checkpoint function Transformers built."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is not None:
+            module._gradient_checkpointing_func = as_hf(func)
+
+
+def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool = False) -> int:
     """Make every checkpointed module of ``model`` use ``mode`` ("remat" or "hf"); return how many.
 
     Modules without gradient checkpointing enabled are left alone: enabling it stays the user's
     choice (``gradient_checkpointing_enable()``, ``activation_checkpointing_enable()`` or
-    ``TrainingArguments(gradient_checkpointing=True)``).
+    ``TrainingArguments(gradient_checkpointing=True)``). ``offload`` (or a checkpoint function
+    Transformers built with ``offload=True``) keeps what the layers save in host memory through one
+    :class:`~lightseq_hf.offload.CheckpointOffloader` per model (``model.lightseq_offloader``).
     """
     if mode not in CHECKPOINTING_MODES:
         raise ValueError(
@@ -82,6 +147,21 @@ def route_checkpointing(model: torch.nn.Module, mode: str) -> int:
         func = getattr(module, "_gradient_checkpointing_func", None)
         if func is None:
             continue
-        module._gradient_checkpointing_func = as_remat(func) if mode == "remat" else as_hf(func)
+        base = as_hf(func)
+        parts = hf_checkpoint_parts(base)
+        if offload or (parts is not None and parts[1]):
+            if parts is None:
+                raise ValueError(
+                    f"checkpoint offload needs the checkpoint function Transformers builds; "
+                    f"{type(model).__name__} has {base!r}. Enable checkpointing with "
+                    "model.activation_checkpointing_enable() (or gradient_checkpointing_enable()) only."
+                )
+            offloader = model.__dict__.get("lightseq_offloader")
+            if offloader is None:
+                offloader = model.__dict__["lightseq_offloader"] = CheckpointOffloader()
+            module._gradient_checkpointing_func = OffloadingCheckpoint(base, parts[0], mode == "remat",
+                                                                       offloader)
+        else:
+            module._gradient_checkpointing_func = as_remat(base) if mode == "remat" else base
         count += 1
     return count

@@ -9,7 +9,13 @@ Variants, same model shape and data in one run: ``remat`` (ours, rematerializati
 checkpointing), ``hf`` (ours with Hugging Face's layer checkpointing, the paper's Table 5
 ablation), ``torch_cp`` (torch's ``context_parallel`` ring attention over SDPA cuDNN with
 HF checkpointing), ``single`` (the unpatched model with SDPA cuDNN and HF checkpointing; run it
-with one process). ``--search-max-context`` tries the lengths of ``--seqs`` in ascending order
+with one process). A variant may add memory options after ``+``: ``offload`` (ours: checkpoint
+offload to host memory with prefetch; torch_cp: transformers' ``offload=True``), ``tiled`` (ours:
+the sequence-tiled MLP, ``--tile`` tokens), ``cpuadam`` (FSDP2's CPUOffloadPolicy: master weights,
+gradients and AdamW on the host), e.g. ``remat+offload+tiled``. torch_cp always uses the same
+chunked fused loss as ours, so step ratios measure attention and checkpointing alone. Each row
+records the allocator's breakdown of its last step (static components, per-phase peaks) and each
+rank's host peak. ``--search-max-context`` tries the lengths of ``--seqs`` in ascending order
 until a step fails, per variant (run it under ``timeout``: a rank that runs out of memory
 alone would leave its peer waiting); its probes allocate the AdamW state before the first
 step, so one step per length holds everything a steady-state step holds. ``--merge OUT IN...``
@@ -56,6 +62,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--search-max-context", action="store_true",
                    help="try --seqs in ascending order until a step fails, per variant (the AdamW "
                         "state is allocated before the first step, so --steps 1 is a full probe)")
+    p.add_argument("--tile", type=int, default=8192, help="tokens per tile of the +tiled variants")
+    p.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="search: skip a probe whose step (extrapolated from the last, quadratically in the "
+                        "length) would end past S seconds from the start; recorded as not tried")
+    p.add_argument("--maxctx", action="store_true",
+                   help="write (append) the rows into the day's maxctx-<device>-x<P>-<date>.json, as "
+                        "the searches do: timed 128K rows of each memory option beside the longest contexts")
     p.add_argument("--merge", nargs="+", default=None, metavar="PATH",
                    help="OUT IN...: join the rows of results files into OUT, recompute the summary")
     return p.parse_args()
@@ -85,10 +98,10 @@ def build_model(shape, n: int, device: torch.device):
     return model
 
 
-def shard(model, device):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def shard(model, device, cpu_offload=False):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    kwargs = {}
+    kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda")} if cpu_offload else {}
     if device.type == "cuda":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -111,62 +124,111 @@ def allocate_adamw_state(opt: torch.optim.AdamW) -> None:
                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
 
-def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False):
-    """Median step seconds and peak memory (GiB) of one variant (``preallocate``: AdamW state
-    allocated before the first step)."""
-    import lightseq_hf
+def parse_variant(variant: str) -> tuple[str, set]:
+    """``"remat+offload+tiled"`` -> ``("remat", {"offload", "tiled"})``; unknown parts are refused."""
+    base, *options = variant.split("+")
+    if base not in ("remat", "hf", "torch_cp", "single"):
+        raise SystemExit(f"unknown variant {base!r}: remat, hf, torch_cp or single "
+                         "(+offload, +tiled, +cpuadam)")
+    unknown = set(options) - {"offload", "tiled", "cpuadam"}
+    if unknown or ("tiled" in options and base not in ("remat", "hf")):
+        raise SystemExit(f"variant {variant!r}: options are offload, tiled (ours only) and cpuadam")
+    return base, set(options)
 
+
+def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False, tile=8192):
+    """Median step seconds, peak memory (GiB) per rank, loss, the allocator breakdown of the last step
+    and each rank's host peak (GiB) of one variant (``preallocate``: AdamW state allocated before the
+    first step)."""
+    import lightseq_hf
+    from lightseq_hf.memory import HostPeak, StepMemory
+
+    base, options = parse_variant(variant)
     torch.manual_seed(0)
     model = build_model(shape, n, device)
-    if variant in ("remat", "hf"):
+    if base in ("remat", "hf"):
         local_kernel = backend if device.type == "cuda" else "auto"
-        lightseq_hf.patch_llama(model, checkpointing=variant, backend=local_kernel)
+        lightseq_hf.patch_llama(model, checkpointing=base, backend=local_kernel,
+                                offload_checkpoints="offload" in options,
+                                tiled_mlp=tile if "tiled" in options else None)
+        model.gradient_checkpointing_enable()
     else:
         lightseq_hf.unpatch_llama()
-    model.gradient_checkpointing_enable()
-    model = shard(model, device)
+        # transformers' own offload for the peer (save_on_cpu on the compute stream)
+        model.gradient_checkpointing_enable(**({"offload": True} if "offload" in options else {}))
+        if base == "torch_cp":
+            use_chunked_loss(model)
+    model = shard(model, device, cpu_offload="cpuadam" in options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     if preallocate:
         allocate_adamw_state(opt)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, shape[5], (1, n), generator=g).to(device)
 
-    def step():
-        if variant == "torch_cp":
-            loss = cp_step(model, ids, world, device)
-        elif variant == "single" and device.type == "cuda":
+    def step(probe):
+        if base == "torch_cp":
+            loss = cp_step(model, ids, world, device, probe)
+        elif base == "single" and device.type == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 loss = model(input_ids=ids, labels=ids).loss
+                probe.mark("forward")
                 loss.backward()
         else:
             loss = model(input_ids=ids, labels=ids).loss
+            probe.mark("forward")
             loss.backward()
+        probe.mark("backward", model)
         opt.step()
+        probe.mark("optimizer", model, opt)
         opt.zero_grad(set_to_none=True)
         return loss
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, peak_all = [], 0.0
     for i in range(steps):
         sync(device)
         dist.barrier()
+        probe = StepMemory(device)  # resets the peak: each step's phases on their own
         t0 = time.perf_counter()
-        loss = step()
-        sync(device)
+        with HostPeak() as host:
+            loss = step(probe)
+            sync(device)
         if i > 0 or steps == 1:
             times.append(time.perf_counter() - t0)
+        if probe.marks:
+            peak_all = max(peak_all, max(m["peak"] for m in probe.marks) / 2**30)
     t = torch.tensor(times, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     peaks = [None] * world
-    dist.all_gather_object(peaks, peak)
-    return statistics.median(t.tolist()), peaks, float(loss)
+    dist.all_gather_object(peaks, peak_all if device.type == "cuda" else None)
+    hosts = [None] * world
+    dist.all_gather_object(hosts, host.peak_bytes / 2**30 if host.available else None)
+    return statistics.median(t.tolist()), peaks, float(loss), probe.breakdown(), hosts
 
 
-def cp_step(model, ids, world, device):
+def use_chunked_loss(model) -> None:
+    """The peer's loss as ours: the base model, then the fused chunked linear + cross-entropy (no
+    full-vocabulary logits), the group's token mean. Installed as the instance's forward, so FSDP2's
+    root hooks still gather the embedding, final norm and head."""
+    import types
+
+    from lightseq_hf.parallel.sharding import IGNORE_INDEX, chunked_loss_sum, group_sum
+    from lightseq_hf.patches.llama import LOSS_CHUNK_TOKENS
+
+    def forward(self, input_ids=None, shift_labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state
+        local = chunked_loss_sum(hidden, shift_labels, self.lm_head, self.config.vocab_size,
+                                 LOSS_CHUNK_TOKENS)
+        count = (shift_labels != IGNORE_INDEX).sum().to(local.dtype)
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        return types.SimpleNamespace(loss=group_sum(local, None) / count)
+
+    model.forward = types.MethodType(forward, model)
+
+
+def cp_step(model, ids, world, device, probe):
     """torch context parallel: shards ids/labels head-tail, ring attention inside SDPA."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -181,7 +243,8 @@ def cp_step(model, ids, world, device):
     with sdpa_kernel(kernel), context_parallel(
         mesh, buffers=[inputs, targets], buffer_seq_dims=[1, 1], no_restore_buffers={inputs, targets}
     ):
-        loss = model(input_ids=inputs, shift_labels=targets, labels=targets).loss
+        loss = model(input_ids=inputs, shift_labels=targets).loss
+        probe.mark("forward")
         loss.backward()
     return loss
 
@@ -258,7 +321,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     suffix = "".join(f"-{x}" for x in (args.model if args.model != "7b" else "", args.tag) if x)
-    path = out / f"train-{slug}-x{world}-{date}{suffix}.json"
+    kind = "maxctx" if args.search_max_context or args.maxctx else "train"
+    path = out / f"{kind}-{slug}-x{world}-{date}{suffix}.json"
     peak_measured = args.matmul_peak * 1e12 if args.matmul_peak else (measure_matmul_peak() if cuda else None)
     import transformers
 
@@ -270,20 +334,34 @@ def main() -> None:
                      "checkpointing on in every variant; times: median step of the slowest rank after "
                      "one warm-up step"}
     rows = []
+    if kind == "maxctx" and path.exists():  # several calls (one per time limit) build one file
+        rows = json.loads(path.read_text())["rows"]
     seqs = [int(s) for s in args.seqs.split(",")]
     variants = args.variants.split(",")
+    for v in variants:
+        parse_variant(v)
     if "single" in variants and world != 1:
         raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
-    if "torch_cp" in variants and not cuda:
+    if any(v.startswith("torch_cp") for v in variants) and not cuda:
         raise SystemExit("the 'torch_cp' variant needs GPUs: torch's context_parallel shards only the "
                          "flash, efficient and cuDNN SDPA kernels; drop it from --variants on CPU")
     if args.search_max_context:  # each variant climbs the lengths until a step fails
+        start, last = time.perf_counter(), None
         for variant in variants:
             for n in sorted(seqs):
+                if args.time_budget and last is not None:
+                    guess = last[1] * (n / last[0]) ** 2  # attention-bound: about quadratic
+                    if time.perf_counter() - start + guess > args.time_budget:
+                        record({"seq": n, "variant": variant, "search": True, "skipped":
+                                f"time budget: about {guess:.0f} s per step"}, rows, rank, meta, path, world)
+                        break
+                t0 = time.perf_counter()
                 row = measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=True)
+                last = (n, time.perf_counter() - t0)
                 record(row, rows, rank, meta, path, world)
                 if "step_s" not in row:
                     break
+            last = None
     else:
         for n in seqs:
             for variant in variants:
@@ -307,12 +385,13 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
     row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
     try:
         result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world,
-                             preallocate=search)
-        sec, peaks, loss = result
+                             preallocate=search, tile=args.tile)
+        sec, peaks, loss, breakdown, host_peaks = result
         flops = model_flops(shape, n)
         row.update(step_s=sec, timed_steps=max(args.steps - 1, 1), includes_warmup=args.steps == 1,
                    optimizer_state_preallocated=search,
-                   tokens_per_s=n / sec, peak_gib=peaks, loss=loss,
+                   tokens_per_s=n / sec, peak_gib=peaks, loss=loss, memory_breakdown=breakdown,
+                   host_peak_gib=host_peaks,
                    mfu=flops / sec / world / PEAK_BF16)
         if peak_measured:
             row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
@@ -346,10 +425,9 @@ def merge(out: Path, inputs: list[Path]) -> None:
 
 def summarize(rows, world) -> dict:
     def step(variant, n):
-        for r in rows:
-            if r["variant"] == variant and r["seq"] == n and "step_s" in r:
-                return r["step_s"]
-        return None
+        found = [r for r in rows if r["variant"] == variant and r["seq"] == n and "step_s" in r]
+        found.sort(key=lambda r: bool(r.get("includes_warmup")))  # timed rows before one-step probes
+        return found[0]["step_s"] if found else None
 
     summary = {}
     remat, hf = step("remat", 32768 * world), step("hf", 32768 * world)
@@ -360,13 +438,20 @@ def summarize(rows, world) -> dict:
         ours, cp = step("remat", n), step("torch_cp", n)
         summary[f"vs_torch_cp_{n // 1024}k"] = cp / ours if ours and cp else None
 
-    for name, variant in (("ours", "remat"), ("torch_cp", "torch_cp"), ("single", "single")):
-        trained = [r["seq"] for r in rows if r["variant"] == variant and "step_s" in r]
-        failed = [r["seq"] for r in rows if r["variant"] == variant and r.get("error") == "out of memory"]
-        if any(r["variant"] == variant and r.get("search") for r in rows):
-            # the longest length that trained, below the shortest that failed (the search's resolution)
+    bases = {"ours": ("remat", "hf"), "torch_cp": ("torch_cp",), "single": ("single",)}
+    for name, names in bases.items():
+        mine = [r for r in rows if r["variant"].split("+")[0] in names]
+        trained = [r["seq"] for r in mine if "step_s" in r]
+        failed = [r["seq"] for r in mine if r.get("error") == "out of memory"]
+        if any(r.get("search") for r in mine):
+            # the longest length that trained (any memory option), below the shortest that failed
             summary[f"max_context_{name}"] = max(trained, default=None)
             summary[f"first_failed_context_{name}"] = min(failed, default=None)
+            per_variant = {}
+            for r in mine:
+                if "step_s" in r:
+                    per_variant[r["variant"]] = max(per_variant.get(r["variant"], 0), r["seq"])
+            summary[f"max_context_per_variant_{name}"] = per_variant
         else:
             summary[f"longest_measured_{name}"] = max(trained, default=None)
     if any(r.get("search") and r.get("includes_warmup") and not r.get("optimizer_state_preallocated")
@@ -375,6 +460,10 @@ def summarize(rows, world) -> dict:
         summary["max_context_first_step_only"] = True
     ours, cp = summary.get("max_context_ours"), summary.get("max_context_torch_cp")
     summary["max_context_ours_vs_torch_cp"] = ours / cp if ours and cp else None
+    summary["max_context_ratio"] = summary["max_context_ours_vs_torch_cp"]
+    summary["step_s_128k_default"] = step("remat", 131072)  # ours with the default options
+    summary["step_s_128k_per_variant"] = {r["variant"]: step(r["variant"], 131072) for r in rows
+                                          if r["seq"] == 131072 and "step_s" in r}
     r128 = [r for r in rows if r["variant"] == "remat" and r["seq"] == 131072 and "mfu" in r]
     summary["mfu_128k"] = r128[0]["mfu"] if r128 else None
     return summary

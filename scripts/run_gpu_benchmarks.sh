@@ -9,10 +9,15 @@
 #   search-ours  longest context of ours: lengths in ascending order until a step fails
 #   search-cp    the same for torch context parallel
 #   search       both searches
+#   maxctx-*     issue 14, into OUT_DIR/maxctx-<device>-x<P>-<date>.json (each call appends; <= 9.5 min):
+#                maxctx-128k (step time at 128K: default, +offload, +tiled, +offload+tiled),
+#                maxctx-ours (remat+offload+tiled), maxctx-ours-cpuadam (+ FSDP2 CPU offload),
+#                maxctx-cp (torch CP at its best: chunked loss + transformers' offload), maxctx-cp-plain
+#                (chunked loss, HF checkpointing without offload); SEQS overrides a search's ladder
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train-main|train|search|search-ours|search-cp|all]}
+out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train-main|train|search|search-ours|search-cp|maxctx-*|all]}
 part=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -63,3 +68,14 @@ if [[ $part == search-cp || $part == search || $part == all ]]; then
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 300 "$gpus" --search-max-context \
     --seqs "${SEQS:-294912,327680}" --variants torch_cp --steps 1 --tag search-cp --out "$out"
 fi
+# issue 14: longest context with each memory option, and the peer at its best (one call per part)
+maxctx() { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 570 "$gpus" --steps 1 --search-max-context \
+  --time-budget 500 --out "$out" "$@"; }
+case $part in
+  maxctx-128k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 570 "$gpus" --maxctx --steps 2 \
+    --seqs 131072 --variants remat,remat+offload,remat+tiled,remat+offload+tiled --out "$out" ;;
+  maxctx-ours) maxctx --seqs "${SEQS:-393216,524288}" --variants remat+offload+tiled ;;
+  maxctx-ours-cpuadam) maxctx --seqs "${SEQS:-524288,655360}" --variants remat+offload+tiled+cpuadam ;;
+  maxctx-cp) maxctx --seqs "${SEQS:-524288,655360}" --variants torch_cp+offload ;;
+  maxctx-cp-plain) maxctx --seqs "${SEQS:-294912,327680}" --variants torch_cp ;;
+esac

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CHECKPOINTING_MODES, route_checkpointing
+from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
 from ..parallel.api import dist_flash_attn
 from ..parallel.groups import current_groups
@@ -45,6 +45,7 @@ from ..parallel.sharding import (
     shift_labels,
     take_shard,
 )
+from .tiled_mlp import apply_tiled_mlp, check_tiled_mlp, remove_tiled_mlp
 
 ATTN_IMPLEMENTATION = "lightseq_dist"
 SUPPORTED_TRANSFORMERS = "5.x (tested with 5.17 and 5.23)"
@@ -69,6 +70,9 @@ class PatchSettings:
     sp_group: dist.ProcessGroup | None
     checkpointing: str
     backend: str
+    # memory options (issue 14): checkpoint offload to host memory; MLP tokens per tile (None: untiled)
+    offload_checkpoints: bool = False
+    tiled_mlp: int | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,8 @@ def patch_llama(
     sp_group: dist.ProcessGroup | None = None,
     checkpointing: str = "remat",
     backend: str = "auto",
+    offload_checkpoints: bool = False,
+    tiled_mlp: int | None = None,
 ) -> torch.nn.Module | None:
     """Make Llama, Mistral, Qwen2 and Qwen3 causal LMs sequence-parallel; return ``model``.
 
@@ -105,6 +111,9 @@ def patch_llama(
     world, else no parallelism. ``checkpointing``: ``"remat"`` (rematerialization-aware) or
     ``"hf"`` (Hugging Face's layer checkpointing); either only applies once gradient
     checkpointing is enabled. ``backend``: the local attention backend of ``dist_flash_attn``.
+    ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
+    by Transformers' ``activation_checkpointing_enable(offload=True)``). ``tiled_mlp``: run the MLPs
+    this many tokens at a time (:mod:`lightseq_hf.patches.tiled_mlp`; None: untiled).
     """
     global _settings
     _check_transformers()
@@ -119,7 +128,8 @@ def patch_llama(
         raise ValueError(
             f"sp_group must be a torch.distributed.ProcessGroup or None, got {type(sp_group).__name__}."
         )
-    settings = PatchSettings(sp_group, checkpointing, backend)
+    settings = PatchSettings(sp_group, checkpointing, backend, bool(offload_checkpoints),
+                             check_tiled_mlp(tiled_mlp))
     target = _unwrap(model) if model is not None else None  # raises on unsupported architectures
     if model is None or _settings is None:
         _settings = settings
@@ -139,11 +149,14 @@ def patch_model(
     sp_group: dist.ProcessGroup | None = None,
     checkpointing: str = "remat",
     backend: str = "auto",
+    offload_checkpoints: bool = False,
+    tiled_mlp: int | None = None,
 ) -> torch.nn.Module:
     """:func:`patch_llama` for an existing model (required here); returns it."""
     if model is None:
         raise ValueError("patch_model needs a model; call patch_llama() to patch the classes instead.")
-    return patch_llama(model, sp_group=sp_group, checkpointing=checkpointing, backend=backend)
+    return patch_llama(model, sp_group=sp_group, checkpointing=checkpointing, backend=backend,
+                       offload_checkpoints=offload_checkpoints, tiled_mlp=tiled_mlp)
 
 
 def unpatch_llama() -> None:
@@ -151,7 +164,8 @@ def unpatch_llama() -> None:
     global _settings
     for model in list(_adopted):
         model.config._attn_implementation = getattr(model, "_lightseq_fallback_attn", None)
-        route_checkpointing(model, "hf")
+        restore_checkpointing(model)
+        remove_tiled_mlp(model)
         for name in ("_lightseq_settings", "_lightseq_fallback_attn"):
             model.__dict__.pop(name, None)
     _adopted.clear()
@@ -270,7 +284,8 @@ def _adopt(model: torch.nn.Module, settings: PatchSettings) -> None:
     if model.config._attn_implementation != ATTN_IMPLEMENTATION:
         model._lightseq_fallback_attn = model.config._attn_implementation
         model.config._attn_implementation = ATTN_IMPLEMENTATION
-    route_checkpointing(model, settings.checkpointing)
+    route_checkpointing(model, settings.checkpointing, settings.offload_checkpoints)
+    apply_tiled_mlp(model, settings.tiled_mlp)
     _adopted.add(model)
 
 
@@ -278,7 +293,8 @@ def _make_set_gradient_checkpointing(original):
     @functools.wraps(original)
     def _set_gradient_checkpointing(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        route_checkpointing(self, _settings_of(self).checkpointing)
+        settings = _settings_of(self)
+        route_checkpointing(self, settings.checkpointing, settings.offload_checkpoints)
 
     return _set_gradient_checkpointing
 

@@ -7,8 +7,11 @@ stopped on a checkpoint, non-finite or peer failure (one line per rank that saw 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 from .config import ConfigError, load_config
 
@@ -35,6 +38,52 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (see lightseq-finetune --help)")
 
 
+def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
+              host_gib: float | None) -> str:
+    """The ``--plan`` report: predicted peaks at the config's context and the longest that fits."""
+    from ..planner import GIB, ModelShape, PlanOptions, longest_context, plan_memory
+
+    world = world or cfg.sp_size or 1
+    sp = cfg.sp_size or world
+    entries = {}
+    if cfg.model.path is not None:
+        config_file = Path(cfg.model.path) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model.path: {config_file} does not exist (the planner reads the "
+                              "architecture from it)")
+        entries.update(json.loads(config_file.read_text()))
+    entries.update(cfg.model.config or {})
+    shape = ModelShape.from_config(entries)
+    t = cfg.training
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision or "", cfg.model.dtype)
+    opts = PlanOptions(context=cfg.context_length, sp_size=sp, world=world, batch=t.batch_size,
+                       sharding=sharding if world > 1 else "replicated", master_dtype=cfg.model.dtype,
+                       compute_dtype=compute, checkpointing=t.checkpointing,
+                       offload_checkpoints=t.offload_checkpoints, tiled_mlp=t.tiled_mlp,
+                       cpu_offload=t.cpu_offload,
+                       attention_kernel="reference" if t.backend == "reference" else "flash")
+    if gpu_gib is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 139.0
+    if host_gib is None:
+        host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / world
+    plan = plan_memory(shape, opts)
+    longest = longest_context(shape, opts, gpu_gib * GIB, host_gib * GIB)
+    options = (f"checkpointing {t.checkpointing}, offload_checkpoints {t.offload_checkpoints}, tiled_mlp "
+               f"{t.tiled_mlp}, cpu_offload {t.cpu_offload}, {opts.sharding} over {world} ranks, sp {sp}, "
+               f"{compute} activations, {cfg.model.dtype} master weights, AdamW")
+    return "\n".join([
+        f"plan for {cfg.context_length} tokens ({cfg.context_length // sp} per rank), "
+        f"{shape.params / 1e9:.2f}B parameters; {options}",
+        plan.describe(),
+        f"longest context that fits {gpu_gib:.0f} GiB device and {host_gib:.0f} GiB host memory per rank: "
+        f"{longest} tokens ({longest // 1024}K)" if longest else
+        f"nothing fits {gpu_gib:.0f} GiB device / {host_gib:.0f} GiB host memory per rank",
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, validate the config, and train. Returns the exit status."""
     parser = _Parser(
@@ -49,7 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="validate the config and output_dir (no changes made) and exit; with "
                              "--world-size, as a launch of that many processes would")
-    parser.add_argument("--world-size", type=int, default=None, help="processes the run will launch")
+    parser.add_argument("--world-size", "--world", type=int, default=None,
+                        help="processes the run will launch (--check, --plan; default WORLD_SIZE)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the predicted peak device and host memory per rank and the longest "
+                             "context that fits, then exit (nothing is allocated)")
+    parser.add_argument("--sharding", choices=("fsdp", "replicated"), default="fsdp",
+                        help="--plan: FSDP (parameters, gradients, optimizer state sharded) or DDP")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="--plan: device memory per rank (default: this machine's GPU, else 139 = H200)")
+    parser.add_argument("--host-gib", type=float, default=None,
+                        help="--plan: host memory per rank (default: this machine's RAM / world)")
     try:
         args = parser.parse_intermixed_args(argv)  # options may come after the overrides
         cfg = load_config(args.config, args.overrides, world_size=args.world_size or _world_size())
@@ -61,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"config error: {e}", EXIT_CONFIG)
     except RuntimeError as e:  # CheckpointError from --check
         return _fail(str(e), EXIT_FAILED)
+    if args.plan:
+        try:
+            world = args.world_size or _world_size()
+            print(plan_text(cfg, world, args.sharding, args.gpu_gib, args.host_gib))
+        except (ConfigError, ValueError) as e:
+            return _fail(f"--plan: {e}", EXIT_CONFIG)
+        return 0
     if args.print_config:
         import yaml
 

@@ -134,6 +134,10 @@ class TrainingConfig(_Section):
     seed: int = 0
     timeout_s: PosFloat = 600.0  # bound on every collective wait (a frozen or missing peer ends the run)
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
+    # memory options (issue 14; README "Memory")
+    offload_checkpoints: StrictBool = False  # what checkpointed layers keep -> pinned host memory, prefetched
+    tiled_mlp: PosInt | None = None  # MLP tokens per tile (e.g. 8192); null: untiled
+    cpu_offload: StrictBool = False  # FSDP2 CPUOffloadPolicy: master weights, grads, AdamW state on host
 
 
 class LoggingConfig(_Section):
@@ -292,6 +296,10 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     """Checks the schema cannot make alone (several keys, the world size, paths); raise ConfigError
     naming the key. Relative paths are resolved in place."""
     base = Path(base_dir) if base_dir is not None else None
+    t = cfg.training
+    if t.offload_checkpoints and t.checkpointing == "none":
+        raise ConfigError("training.offload_checkpoints needs checkpointing (training.checkpointing remat or "
+                          "hf): it offloads what checkpointed layers keep")
     sp = cfg.sp_size or world_size  # None: not launched yet and no sp_size given
     if world_size is not None and world_size % sp:
         raise ConfigError(

@@ -102,12 +102,28 @@ def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any) -> t
 
     ckpt = cfg.training.checkpointing
     model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
-                                    checkpointing="remat" if ckpt == "none" else ckpt)
+                                    checkpointing="remat" if ckpt == "none" else ckpt,
+                                    offload_checkpoints=cfg.training.offload_checkpoints,
+                                    tiled_mlp=cfg.training.tiled_mlp)
     if ckpt != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model
+
+
+def use_fsdp_cpu_offload(accelerator: Any) -> None:
+    """``training.cpu_offload``: FSDP2's CPUOffloadPolicy (master weights, gradients and the optimizer
+    step on the host, pinned); only under an FSDP2 accelerate config."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        raise ConfigError(
+            "training.cpu_offload needs FSDP2: launch with an accelerate config that has distributed_type: "
+            "FSDP and fsdp_version: 2 (e.g. configs/accelerate/1node-8gpu-fsdp.yaml)"
+        )
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
 
 
 def model_flops_per_step(model_cfg: Any, n_params: int, seqs: int, seq_len: int) -> float:
@@ -441,6 +457,8 @@ def train(cfg: FinetuneConfig) -> dict:
         lr=t.lr, betas=tuple(t.betas), fused=False,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    if t.cpu_offload:
+        use_fsdp_cpu_offload(accelerator)
     model, optimizer = accelerator.prepare(model, optimizer)
     state = TrainState()
     accelerator.register_for_checkpointing(scheduler, state)

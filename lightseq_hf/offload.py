@@ -1,0 +1,269 @@
+"""Offload of what gradient checkpointing keeps, to pinned host memory, prefetched one layer ahead.
+
+A checkpointed decoder layer keeps its input (saved by ``torch.utils.checkpoint``) and, under
+rematerialization-aware checkpointing, the distributed attention's (out, lse), which selective
+checkpointing holds in its cache. :class:`CheckpointOffloader` moves both to host memory:
+
+* forward: ``saved_tensors_hooks`` around each checkpoint call catch the saved inputs; after the
+  call, the tensors the selective-checkpoint cache kept are taken from it. Each goes to a pinned
+  host buffer, copied on a side CUDA stream once the compute stream has produced it (an event
+  orders the two; ``record_stream`` keeps the allocator from reusing the device memory before the
+  copy ends). Every checkpoint call is one *group*, numbered in forward order.
+* backward: the first unpack of group ``k`` (the recompute of layer ``k`` starts by unpacking its
+  input) waits for group ``k``'s host-to-device copies, puts the cached attention tensors back into
+  the selective-checkpoint cache, and starts copying group ``k - 1`` on the side stream, so the
+  next layer's tensors arrive while this layer recomputes and differentiates.
+
+On a CPU device the "host copy" is a plain copy (no streams): the mechanism, and its exactness,
+can be tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+#: tensors smaller than this stay where they are (a copy costs more than it frees)
+MIN_OFFLOAD_BYTES = 1024
+
+
+@dataclass
+class OffloadStats:
+    """What an offloader did (tests assert the mechanism with it)."""
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    kept_tensors: int = 0  # too small, parameters, or not dense: kept on the device
+    cache_tensors: int = 0  # of the offloaded, those taken from the selective-checkpoint cache
+    prefetched_groups: int = 0  # fetched ahead, before their own unpack
+    fetch_order: list = field(default_factory=list)  # group ids in the order backward first used them
+    host_bytes_peak: int = 0
+    host_bytes_live: int = 0
+
+
+class _Slot:
+    """One saved tensor: on the device (kept), or in host memory until fetched back."""
+
+    __slots__ = ("group", "device_tensor", "host", "device", "d2h_done", "h2d_done", "cache_entry",
+                 "offloader", "__weakref__")
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+        self.device_tensor: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None
+        self.device: torch.device | None = None
+        self.d2h_done: Any = None
+        self.h2d_done: Any = None
+        self.cache_entry: Any = None  # the selective-checkpoint cache wrapper to refill
+        self.offloader: CheckpointOffloader | None = None
+
+    def __del__(self) -> None:
+        if self.host is not None and self.offloader is not None:
+            self.offloader.stats.host_bytes_live -= self.host.numel() * self.host.element_size()
+
+
+class _Group:
+    """The slots of one checkpoint call (one layer)."""
+
+    __slots__ = ("index", "slots", "state", "__weakref__")
+
+    STORED, PREFETCHING, FETCHED = 0, 1, 2
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.slots: list[weakref.ref] = []
+        self.state = _Group.STORED
+
+
+class CheckpointOffloader:
+    """Holds the tensors checkpointed layers keep in (pinned) host memory; see the module docstring.
+
+    One offloader serves all the layers of a model (the prefetch follows its numbering).
+    ``min_bytes``: smaller tensors stay on the device.
+    """
+
+    def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
+        self.min_bytes = min_bytes
+        self.stats = OffloadStats()
+        self._groups: weakref.WeakValueDictionary[int, _Group] = weakref.WeakValueDictionary()
+        self._next_index = 0
+        self._streams: dict[torch.device, Any] = {}
+        self._warned = False
+
+    # ------------------------------------------------------------------ forward
+
+    @contextlib.contextmanager
+    def group(self) -> Iterator[_Group]:
+        """Open a group: tensors saved inside go to host memory (and come back in backward)."""
+        group = _Group(self._next_index)
+        self._next_index += 1
+        self._groups[group.index] = group
+
+        def pack(tensor: torch.Tensor) -> _Slot:
+            return self._pack(group, tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            yield group
+
+    def take_cache(self, group: _Group, storage: Any) -> list[_Slot]:
+        """Offload the tensors a selective-checkpoint cache (``storage`` of its caching mode) kept.
+
+        Returns their slots; they hold the group alive, so keep them with the cache (the caller
+        does, through the cache entries). Left on the device when ``group`` has no saved input
+        through which backward would bring them back, or when the cache layout is not the
+        expected one (a warning says so).
+        """
+        if not any(ref() is not None for ref in group.slots):
+            return []
+        wrappers = _cache_wrappers(storage)
+        if wrappers is None:
+            if not self._warned:
+                warnings.warn("lightseq_hf: this torch's selective-checkpoint cache has an unknown layout; "
+                              "the attention outputs remat keeps stay on the device (layer inputs are "
+                              "still offloaded).", RuntimeWarning, stacklevel=2)
+                self._warned = True
+            return []
+        slots = []
+        for wrapper in wrappers:
+            tensor = wrapper.val
+            if not self._offloadable(tensor):
+                continue
+            slot = self._offload(group, tensor)
+            slot.cache_entry = wrapper
+            wrapper.val = None  # the device memory goes when the forward lets go of the tensor
+            wrapper.lightseq_slot = slot  # the cache entry keeps its slot (and group) alive
+            self.stats.cache_tensors += 1
+            slots.append(slot)
+        return slots
+
+    def _offloadable(self, tensor: Any) -> bool:
+        return (isinstance(tensor, torch.Tensor) and not isinstance(tensor, torch.nn.Parameter)
+                and tensor.is_contiguous() and type(tensor) is torch.Tensor
+                and tensor.numel() * tensor.element_size() >= self.min_bytes)
+
+    def _pack(self, group: _Group, tensor: torch.Tensor) -> _Slot:
+        if not self._offloadable(tensor):
+            slot = _Slot(group)
+            slot.device_tensor = tensor
+            group.slots.append(weakref.ref(slot))
+            self.stats.kept_tensors += 1
+            return slot
+        return self._offload(group, tensor)
+
+    def _stream(self, device: torch.device) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    def _offload(self, group: _Group, tensor: torch.Tensor) -> _Slot:
+        slot = _Slot(group)
+        slot.offloader = self
+        slot.device = tensor.device
+        tensor = tensor.detach()
+        if tensor.device.type == "cuda":
+            side = self._stream(tensor.device)
+            side.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(side):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+                slot.d2h_done = torch.cuda.Event()
+                slot.d2h_done.record(side)
+            tensor.record_stream(side)  # not reused before the copy has read it
+        else:
+            host = tensor.clone()
+        slot.host = host
+        group.slots.append(weakref.ref(slot))
+        size = host.numel() * host.element_size()
+        self.stats.offloaded_tensors += 1
+        self.stats.offloaded_bytes += size
+        self.stats.host_bytes_live += size
+        self.stats.host_bytes_peak = max(self.stats.host_bytes_peak, self.stats.host_bytes_live)
+        return slot
+
+    # ------------------------------------------------------------------ backward
+
+    def _unpack(self, slot: _Slot) -> torch.Tensor:
+        group = slot.group
+        if group.state != _Group.FETCHED:
+            self._fetch(group, prefetch=False)
+            previous = self._groups.get(group.index - 1)
+            if previous is not None and previous.state == _Group.STORED:
+                self._fetch(previous, prefetch=True)
+        tensor = slot.device_tensor
+        if tensor is None:  # a slot created after its group was fetched (cannot happen in checkpoint)
+            tensor = self._copy_in(slot, wait=True)
+        return tensor
+
+    def _fetch(self, group: _Group, *, prefetch: bool) -> None:
+        """Start the group's host-to-device copies; unless ``prefetch``, also wait for them and refill
+        the selective-checkpoint cache."""
+        slots = [s for s in (ref() for ref in group.slots) if s is not None]
+        if prefetch:
+            for slot in slots:
+                if slot.host is not None and slot.h2d_done is None and slot.device_tensor is None:
+                    self._copy_in(slot, wait=False)
+            self.stats.prefetched_groups += 1
+            group.state = _Group.PREFETCHING  # copies in flight; the group's own unpack completes it
+            return
+        group.state = _Group.FETCHED
+        self.stats.fetch_order.append(group.index)
+        for slot in slots:
+            if slot.host is not None and slot.device_tensor is None:
+                self._copy_in(slot, wait=False)
+            if slot.h2d_done is not None:
+                torch.cuda.current_stream(slot.device).wait_event(slot.h2d_done)
+                slot.device_tensor.record_stream(torch.cuda.current_stream(slot.device))
+                slot.h2d_done = None
+            if slot.cache_entry is not None:
+                entry = slot.cache_entry
+                entry.val = slot.device_tensor
+                if getattr(entry, "version", None) is not None:
+                    entry.version = slot.device_tensor._version
+                slot.cache_entry = None
+                slot.device_tensor = None  # the cache holds it now, until the recompute consumes it
+
+    def _copy_in(self, slot: _Slot, *, wait: bool) -> torch.Tensor:
+        host = slot.host
+        if slot.device.type == "cuda":
+            side = self._stream(slot.device)
+            with torch.cuda.stream(side):
+                side.wait_event(slot.d2h_done)  # the offload copy has finished
+                tensor = torch.empty(host.shape, dtype=host.dtype, device=slot.device)
+                tensor.copy_(host, non_blocking=True)
+                slot.h2d_done = torch.cuda.Event()
+                slot.h2d_done.record(side)
+            if wait:
+                current = torch.cuda.current_stream(slot.device)
+                current.wait_event(slot.h2d_done)
+                tensor.record_stream(current)
+                slot.h2d_done = None
+        else:
+            tensor = host  # on a CPU device the host copy is the tensor
+        slot.device_tensor = tensor
+        return tensor
+
+
+def _cache_wrappers(storage: Any) -> list | None:
+    """The version-checked wrappers of a selective-checkpoint cache (torch >= 2.4: a mapping from
+    op to a list or dict of pytrees of ``_VersionWrapper``); None for an unknown layout."""
+    if not isinstance(storage, dict):
+        return None
+    found = []
+    for entries in storage.values():
+        if isinstance(entries, dict):
+            entries = list(entries.values())
+        elif not isinstance(entries, list):
+            return None
+        for entry in entries:
+            leaves, _ = tree_flatten(entry)
+            for leaf in leaves:
+                if hasattr(leaf, "val") and hasattr(leaf, "version"):
+                    found.append(leaf)
+    return found

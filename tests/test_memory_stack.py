@@ -1,0 +1,245 @@
+"""The memory options (issue 14): checkpoint offload to host memory and the sequence-tiled MLP.
+
+Each gives the loss and gradients of the plain model — on one process bit for bit (offload) or
+within float32 rounding (tiling), on 2 and 3 gloo processes against the unpatched model on one
+process — and the tests assert the mechanism: what was offloaded per layer, the order backward
+fetched the layers back in and that each was prefetched before its turn, the largest token count
+an MLP projection ever saw.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from distributed import rel_err, run_distributed
+
+LAYERS = 3
+
+
+@pytest.fixture(autouse=True)
+def _unpatch():
+    yield
+    import lightseq_hf
+
+    lightseq_hf.unpatch_llama()
+
+
+def _enable(model, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)(**kwargs)
+
+
+def _step(model, ids):
+    from tiny_models import loss_and_grads
+
+    from lightseq_hf.parallel import ops
+
+    before = dict(ops.call_counts)
+    loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=ids)
+    return loss, grads, {k: ops.call_counts[k] - before[k] for k in before}
+
+
+def _rows_seen(model):
+    """Record the most token rows any MLP projection received (forward hooks)."""
+    seen = [0]
+
+    def hook(module, args, out):
+        seen[0] = max(seen[0], args[0].numel() // args[0].shape[-1])
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+               if n.endswith(("gate_proj", "up_proj", "down_proj"))]
+    return seen, handles
+
+
+@pytest.mark.parametrize("mode", ["remat", "hf"])
+def test_transformers_offload_flag_uses_our_offload(mode):
+    """activation_checkpointing_enable(offload=True) keeps our policy and offloads the layer inputs
+    and (remat) the attention out/lse; backward fetches the layers last to first, each prefetched."""
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.checkpoint import OffloadingCheckpoint
+
+    ids, _ = make_batch(2, 40, seed=1)
+    lightseq_hf.patch_llama(checkpointing=mode)
+    model = make_model("llama", layers=LAYERS)
+    loss0, grads0, _ = _step(model, ids)
+    try:
+        _enable(model, offload=True)
+    except TypeError:
+        pytest.skip("this transformers has no offload flag")
+    funcs = [m._gradient_checkpointing_func for m in model.modules()
+             if hasattr(m, "_gradient_checkpointing_func")]
+    assert funcs and all(isinstance(f, OffloadingCheckpoint) and f.remat == (mode == "remat") for f in funcs)
+    offloader = model.lightseq_offloader
+    loss1, grads1, calls = _step(model, ids)
+    assert calls == {"forward": LAYERS * (1 if mode == "remat" else 2), "backward": LAYERS}
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads1[name]), name
+    stats = offloader.stats
+    per_layer_cache = 2 if mode == "remat" else 0  # out (2, 40, 4, 16) fp32 and lse (2, 4, 40) fp32
+    assert stats.cache_tensors == LAYERS * per_layer_cache
+    assert stats.offloaded_tensors == LAYERS * (1 + per_layer_cache)
+    hidden = 2 * 40 * 64 * 4
+    cache = (2 * 40 * 4 * 16 * 4 + 2 * 4 * 40 * 4) if mode == "remat" else 0
+    assert stats.offloaded_bytes == LAYERS * (hidden + cache)
+    assert stats.host_bytes_peak == LAYERS * (hidden + cache)
+    assert stats.fetch_order == list(range(LAYERS - 1, -1, -1))
+    assert stats.prefetched_groups == LAYERS - 1  # every layer but the last was fetched a layer ahead
+    assert stats.host_bytes_live == 0  # all host buffers released after the backward
+    # a second step: new groups, same behaviour
+    loss2, grads2, _ = _step(model, ids)
+    assert torch.equal(loss0, loss2)
+    assert stats.fetch_order[LAYERS:] == list(range(2 * LAYERS - 1, LAYERS - 1, -1))
+    # unpatching gives Transformers' own offloading function back
+    lightseq_hf.unpatch_llama()
+    assert all(not isinstance(m._gradient_checkpointing_func, OffloadingCheckpoint)
+               for m in model.modules() if hasattr(m, "_gradient_checkpointing_func"))
+
+
+def test_patch_option_and_kwargs_route():
+    """patch_llama(offload_checkpoints=True) offloads with HF's plain checkpoint function and its
+    gradient_checkpointing_kwargs kept; a checkpoint function of the user's own is refused by name."""
+    import functools
+
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.checkpoint import OffloadingCheckpoint
+
+    ids, _ = make_batch(1, 24, seed=2)
+    model = lightseq_hf.patch_model(make_model("qwen3", layers=2))
+    loss0, grads0, _ = _step(model, ids)
+    _enable(model, activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": False})
+    lightseq_hf.patch_model(model, offload_checkpoints=True)
+    funcs = [m._gradient_checkpointing_func for m in model.modules()
+             if hasattr(m, "_gradient_checkpointing_func")]
+    assert all(isinstance(f, OffloadingCheckpoint) and f.kwargs["preserve_rng_state"] is False for f in funcs)
+    loss1, grads1, calls = _step(model, ids)
+    assert calls == {"forward": 2, "backward": 2}
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        assert torch.equal(grad, grads1[name]), name
+    stats = model.lightseq_offloader.stats  # per layer: the input and out; lse (384 bytes) stays put
+    assert (stats.offloaded_tensors, stats.cache_tensors) == (2 * 2, 2)
+    lightseq_hf.unpatch_llama()
+
+    def own(function, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+
+    for module in model.modules():
+        if hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = functools.partial(own, use_reentrant=False)
+    with pytest.raises(ValueError, match="checkpoint offload needs the checkpoint function Transformers"):
+        lightseq_hf.patch_model(model, offload_checkpoints=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tiled_mlp_matches_untiled(arch):
+    """Tiled MLP (7 tokens per tile over 2 x 45 tokens) against untiled, with and without remat
+    checkpointing: loss and gradients within float32 rounding; no projection sees more than 7 rows."""
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.patches import tiled_mlp
+
+    ids, _ = make_batch(2, 45, seed=4)
+    model = make_model(arch, layers=2)
+    loss0, grads0, _ = _step(model, ids)
+    for checkpointed in (False, True):
+        model = make_model(arch, layers=2)
+        lightseq_hf.patch_model(model, tiled_mlp=7)
+        if checkpointed:
+            _enable(model)
+        seen, handles = _rows_seen(model)
+        before = dict(tiled_mlp.call_counts)
+        loss1, grads1, _ = _step(model, ids)
+        for h in handles:
+            h.remove()
+        counts = {k: tiled_mlp.call_counts[k] - before[k] for k in before}
+        tiles = -(-2 * 45 // 7)
+        forwards = 2 * (2 if checkpointed else 1)  # layers x (forward + recompute)
+        assert counts == {"tiled_forward": forwards, "tile_forwards": forwards * tiles,
+                          "tile_backwards": 2 * tiles}, counts
+        assert seen[0] == 7
+        assert rel_err(loss1, loss0) < 1e-6
+        for name, grad in grads0.items():
+            assert rel_err(grads1[name], grad) < 1e-5, name
+    lightseq_hf.unpatch_llama()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    with pytest.raises(ValueError, match="tiled_mlp must be a positive number"):
+        lightseq_hf.patch_model(model, tiled_mlp=0)
+
+
+def _average(grads, world):
+    import torch.distributed as dist
+
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= world
+    return grads
+
+
+#: (checkpointing, offload through, tiled_mlp)
+OPTIONS = [("remat", "transformers", None), ("remat", None, 5), ("remat", "patch", 5),
+           ("hf", "transformers", 5)]
+
+
+def worker_memory_options(rank, world):
+    from tiny_models import loss_and_grads, make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.parallel import ops
+
+    failures = []
+    ids, labels = make_batch(2, 37, seed=7, ignore_prefix=2)
+    ref_loss, ref_grads, _ = loss_and_grads(make_model("llama", layers=LAYERS), input_ids=ids, labels=labels)
+    lightseq_hf.patch_llama()
+    for mode, offload, tile in OPTIONS:
+        tag = f"checkpointing {mode} offload {offload} tiled_mlp {tile}"
+        model = make_model("llama", layers=LAYERS)
+        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=offload == "patch",
+                                tiled_mlp=tile)
+        _enable(model, **({"offload": True} if offload == "transformers" else {}))
+        if offload:
+            model.lightseq_offloader.min_bytes = 0  # the tiny lse too (608 bytes)
+        seen, handles = _rows_seen(model)
+        before = dict(ops.call_counts)
+        loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+        calls = {k: ops.call_counts[k] - before[k] for k in before}
+        for h in handles:
+            h.remove()
+        grads = _average(grads, world)
+        if rel_err(loss, ref_loss) > 1e-5:
+            failures.append(f"{tag}: loss {loss.item()} vs {ref_loss.item()}")
+        worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
+        if worst[0] > 1e-4:
+            failures.append(f"{tag}: gradient of {worst[1]} rel err {worst[0]:.2e}")
+        want = LAYERS * (2 if mode == "hf" else 1)
+        if calls != {"forward": want, "backward": LAYERS}:
+            failures.append(f"{tag}: attention calls {calls}")
+        local = -(-37 // world)
+        if seen[0] != (min(tile, 2 * local) if tile else 2 * local):
+            failures.append(f"{tag}: an MLP projection saw {seen[0]} token rows")
+        if offload:
+            stats = model.lightseq_offloader.stats
+            cache = 2 if mode == "remat" else 0
+            if (stats.offloaded_tensors, stats.cache_tensors) != (LAYERS * (1 + cache), LAYERS * cache):
+                failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache "
+                                f"{stats.cache_tensors}")
+            if stats.fetch_order != list(range(LAYERS - 1, -1, -1)) or stats.prefetched_groups != LAYERS - 1:
+                failures.append(f"{tag}: fetch order {stats.fetch_order}, prefetched "
+                                f"{stats.prefetched_groups}")
+    lightseq_hf.unpatch_llama()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_memory_options_distributed(world):
+    results = run_distributed(worker_memory_options, world)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures)
