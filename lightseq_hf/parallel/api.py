@@ -7,15 +7,16 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..kernels import BACKENDS, check_qkv, get_kernel
+from ..kernels import BACKENDS, check_qkv, get_kernel, masked_backend
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
 from .schedule import SCHEDULES
+from .segments import Segments, as_segments
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
 def check_same_shapes(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, group: dist.ProcessGroup | None
+    q: torch.Tensor, k: torch.Tensor, causal: bool, group: dist.ProcessGroup | None, mask_digest: int = 0
 ) -> None:
     """All-gather each rank's shapes and raise the same ValueError on every rank if they differ.
 
@@ -26,7 +27,7 @@ def check_same_shapes(
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(
-        [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal)],
+        [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal), mask_digest],
         dtype=torch.int64, device=device,
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -35,13 +36,14 @@ def check_same_shapes(
     if len(set(rows)) > 1:
         described = "; ".join(
             f"rank {r}: q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, "
-            f"kv heads {x[5]}, dtype code {x[6]}, causal {bool(x[7])}"
+            f"kv heads {x[5]}, dtype code {x[6]}, causal {bool(x[7])}, segments/window digest {x[8]}"
             for r, x in enumerate(rows)
         )
         raise ValueError(
-            "ranks of the sequence-parallel group passed different shapes, dtypes or causal flags "
-            f"({described}). Every rank must hold an equal-length shard: pad the sequence to a "
-            "multiple of the group size (lightseq_hf.pad_to_multiple) before sharding."
+            "ranks of the sequence-parallel group passed different shapes, dtypes, causal flags or "
+            f"segments ({described}). Every rank must hold an equal-length shard: pad the sequence to a "
+            "multiple of the group size (lightseq_hf.pad_to_multiple) before sharding, and pass every "
+            "rank the same segments (of the full rows) and window."
         )
 
 
@@ -57,6 +59,9 @@ def dist_flash_attn(
     backend: str = "auto",
     return_lse: bool = False,
     check_shapes: bool = True,
+    segments: Segments | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded contiguously across ``group``.
 
@@ -70,6 +75,14 @@ def dist_flash_attn(
     ``backend`` is ``"auto"``, ``"reference"``, ``"triton"`` or ``"sdpa"``.
     ``check_shapes=False`` skips the all-gather that checks every rank's shapes agree
     (for callers that guarantee it, such as the model patch).
+
+    Packed documents and padding: ``segments`` (a :class:`~lightseq_hf.parallel.segments.Segments`
+    of the *full* rows, the same on every rank) or ``cu_seqlens`` (cumulative document lengths over
+    the flattened full ``batch * seq`` tokens, flash-attn style; tokens after the last are padding).
+    Attention never crosses a document; padding tokens attend nothing and are attended by nothing
+    (output 0, lse -inf, gradients 0). ``window``: sliding-window attention, key ``j`` visible from
+    query ``i`` only when ``i - window < j`` (and, non-causal, ``j < i + window``). Blocks with no
+    visible pair are neither computed nor sent, and the schedule balances visible pairs.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
@@ -81,9 +94,32 @@ def dist_flash_attn(
             f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
             "one sequence, so q, k and v shards must have the same length."
         )
+    if segments is not None and cu_seqlens is not None:
+        raise ValueError("pass segments or cu_seqlens, not both.")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (or None); got {window!r}.")
+    _, world = group_rank_and_size(group)
+    batch, length = q.shape[0], q.shape[1] * world
+    seg = as_segments(segments if segments is not None else cu_seqlens, batch, length)
+    if seg is not None and (seg.batch, seg.length) != (batch, length):
+        raise ValueError(
+            f"segments describe {seg.batch} rows of {seg.length} tokens, but the full inputs are {batch} "
+            f"rows of {length} tokens ({q.shape[1]} per rank x {world} ranks); build them for the full, "
+            "padded rows (Segments.padded extends them with padding)."
+        )
+    if window is not None and seg is None:
+        seg = Segments.full(batch, length)
+    if seg is not None and seg.is_full() and window is None:
+        seg = None  # plain rows: the whole-block schedule
+    if seg is not None:
+        backend = masked_backend(backend, q.device, q.dtype, q.shape[-1])
     get_kernel(backend, q.device, q.dtype, q.shape[-1])  # fail early with the backend's own error
     if check_shapes:
-        check_same_shapes(q, k, causal, group)
+        digest = 0 if seg is None else seg.checksum() * 31 + (window or 0)
+        check_same_shapes(q, k, causal, group, digest)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = dist_attn_fwd(q, k, v, causal, float(scale), group_handle(group), schedule, backend)
+    out, lse = dist_attn_fwd(
+        q, k, v, causal, float(scale), group_handle(group), schedule, backend,
+        [] if seg is None else seg.encode(), window or 0,
+    )
     return (out, lse) if return_lse else out
