@@ -41,6 +41,9 @@ def single_process(q, k, v, dout, docs, dtype, sl):
 
 
 def worker_packed(rank, world):
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the Triton case below)
     import lightseq_hf
     from lightseq_hf.parallel import comm
     from lightseq_hf.parallel.segments import Segments
@@ -119,6 +122,38 @@ def worker_packed(rank, world):
     comm.PeerComm.post = original_post
     if world == 2:
         failures += disagreeing_segments(rank)
+        failures += triton_interpreter_packed(rank, world)
+    return failures
+
+
+def triton_interpreter_packed(rank, world):
+    """The Triton kernels (CPU interpreter, fp32) in the distributed loop with packed documents."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return []
+    import lightseq_hf
+    from lightseq_hf.parallel.segments import Segments
+
+    n_local, n = 32, 32 * world
+    docs = (((0, 5), (5, 6), (6, 45), (45, n - 3)), ((0, n),))
+    g = torch.Generator().manual_seed(77)
+    q, dout = (torch.randn(2, n, 4, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, n, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    ref_out, ref_lse = per_document_attention(qr, kr, vr, docs, window=20)
+    ref_out.backward(dout)
+    sl = slice(rank * n_local, (rank + 1) * n_local)
+    qs, ks, vs = (t[:, sl].float().requires_grad_() for t in (q, k, v))
+    out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=Segments(n, docs), window=20,
+                                           backend="triton", return_lse=True)
+    out.backward(dout[:, sl].float())
+    failures = []
+    refs = (ref_out[:, sl], ref_lse[:, :, sl], qr.grad[:, sl], kr.grad[:, sl], vr.grad[:, sl])
+    for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, qs.grad, ks.grad, vs.grad), refs):
+        err = rel_err(x, ref)
+        if not err <= 1e-4:
+            failures.append(f"triton packed rank {rank}: {label} rel err {err:.2e}")
     return failures
 
 
