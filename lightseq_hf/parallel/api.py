@@ -82,7 +82,8 @@ def dist_flash_attn(
     Attention never crosses a document; padding tokens attend nothing and are attended by nothing
     (output 0, lse -inf, gradients 0). ``window``: sliding-window attention, key ``j`` visible from
     query ``i`` only when ``i - window < j`` (and, non-causal, ``j < i + window``). Blocks with no
-    visible pair are neither computed nor sent, and the schedule balances visible pairs.
+    visible pair are neither computed nor sent, and the schedule balances visible pairs (it replaces
+    ``schedule``, which applies to plain rows). Backends: ``"reference"`` and ``"triton"``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
