@@ -139,7 +139,7 @@ def key_ranges(
     return _key_ranges_cached(segments, causal, window, str(device))
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=8)  # every layer of a step reuses one entry; old batches' GPU tensors go soon
 def _key_ranges_cached(segments: Segments, causal: bool, window: int | None, device: str):
     b, n = segments.batch, segments.length
     pos = torch.arange(n, dtype=torch.int64)
