@@ -1,8 +1,9 @@
 """Compile the Triton attention kernels for a GPU architecture on a machine without a GPU.
 
 The CPU tests run the kernels in Triton's interpreter, which executes their Python semantics but
-never lowers them. This script lowers every kernel variant (forward, delta, dK/dV, dQ; causal or
-not; fresh or accumulating) to PTX with Triton's own compiler and ptxas, for ``--arch`` (90: H100
+never lowers them. This script lowers every kernel variant (forward, delta, dK/dV, dQ; causal,
+full, or with per-row key ranges (document / window masks); fresh or accumulating) to PTX with
+Triton's own compiler and ptxas, for ``--arch`` (90: H100
 and H200, 80: A100), so a change that would not compile on a GPU fails here. ``--digest`` prints
 one hash per variant of the PTX instructions (debug lines and labels dropped): equal digests before
 and after a refactor mean the GPU runs identical code.
@@ -68,17 +69,25 @@ def variants(dtype: str, head_dim: int, all_configs: bool):
     kernels = (("fwd", triton_fwd._attn_fwd, triton_fwd.FWD_CONFIGS),
                ("dkdv", triton_bwd._attn_bwd_dkdv, triton_bwd.DKDV_CONFIGS),
                ("dq", triton_bwd._attn_bwd_dq, triton_bwd.DQ_CONFIGS))
-    for causal in (True, False):
+    ranges = ("KLo", "KHi", "QLo", "QHi")
+    # (causal, ranged): the causal / full kernels (range pointers None), and the document-mask ones
+    for causal, ranged in ((True, False), (False, False), (False, True)):
         for accum in (False, True):
-            base = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "CAUSAL": causal, "ACCUM": accum, "PREC": "tf32"}
+            base = {"HEAD_DIM": head_dim, "D_PAD": d_pad, "CAUSAL": causal, "ACCUM": accum, "PREC": "tf32",
+                    "RANGED": ranged}
             pointers = {"Q": el, "K": el, "V": el, "DO": el, "Lse": "*fp32", "Delta": "*fp32",
                         "Out": "*fp32" if accum else el, **grads}
+            if ranged:
+                pointers.update(dict.fromkeys(ranges, "*i32"))
+            else:
+                base.update(dict.fromkeys(ranges, None))
             for name, kernel, configs in kernels:
                 for cfg in configs if all_configs else configs[:1]:
                     kw = cfg.kwargs
                     tiles = f"{kw['BLOCK_M']}x{kw['BLOCK_N']} w{cfg.num_warps} s{cfg.num_stages}"
-                    label = f"{name} causal={causal} accum={accum} {tiles}"
-                    yield label, kernel.fn, pointers, {**base, **cfg.kwargs}, cfg.num_warps, cfg.num_stages
+                    label = f"{name} causal={causal} accum={accum}{' ranged' if ranged else ''} {tiles}"
+                    present = {k: v for k, v in base.items() if k in kernel.fn.arg_names}
+                    yield label, kernel.fn, pointers, {**present, **cfg.kwargs}, cfg.num_warps, cfg.num_stages
 
 
 def main() -> None:

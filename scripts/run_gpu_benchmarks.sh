@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
-# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|train-main|train|search|search-ours|search-cp|all]
+# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|all]
 #   tests        the GPU test modules
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
+#   packed       packed rows (64K, 128K; log-normal document lengths): ours against the same tokens unpacked,
+#                torch CP, an all-gather varlen ring and padded documents, after a GPU exactness check
 #   train-main   training steps at 64K (remat, HF checkpointing, torch CP) and 128K (remat, torch CP)
 #   train        training steps at 32K, the GQA and 33-head models at 64K, one GPU's longest context
 #   search-ours  longest context of ours: lengths in ascending order until a step fails
@@ -17,7 +19,7 @@
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|train-main|train|search|search-ours|search-cp|maxctx-*|all]}
+out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|maxctx-*|all]}
 part=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -45,6 +47,9 @@ if [[ $part == dist || $part == all ]]; then
   [[ $backends == sdpa_cudnn ]] || extra=(--no-ablations --tag "${backends//,/-}")
   run timeout 580 torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends "$backends" \
     "${extra[@]}" --reps 3 --trace --trace-seq 32768 --out "$out" 2>&1 | tail -30
+fi
+if [[ $part == packed || $part == all ]]; then
+  run timeout 480 torchrun --nproc_per_node "$gpus" scripts/bench_packed.py --out "$out" 2>&1 | tail -40
 fi
 if [[ $part == train-main || $part == all ]]; then
   train 280 "$gpus" --seqs 65536 --variants remat,hf,torch_cp --steps 3 --tag 64k --out "$out"

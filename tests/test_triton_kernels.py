@@ -263,3 +263,101 @@ def test_strided_views_fwd_bwd():
     got = KERNEL.backward(do, q, k, v, out, lse, causal=True, scale=scale)
     for g, r in zip(got, ref):
         assert rel_err(g, r) < 1e-4
+
+
+# ---------------------------------------------------------------------- document / window masks (key_range)
+
+
+def _ranges(docs, n, causal=True, window=None):
+    from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range
+
+    lo, hi = key_ranges(Segments(n, docs), causal=causal, window=window)
+    return lo, hi, local_key_range(lo, hi, 0, n)
+
+
+RANGED_CASES = {  # docs per row of 70 tokens: lengths 1.., padding left/right, an all-padding row
+    "packed": ((((0, 1), (1, 19), (19, 52), (52, 53), (53, 70)),), True, None),
+    "padding": ((((5, 40),), ((0, 70),), ()), True, None),
+    "window": ((((0, 33), (33, 70)),), True, 9),
+    "non-causal docs": ((((3, 30), (30, 31), (31, 66)),), False, None),
+}
+
+
+@pytest.mark.parametrize("name", list(RANGED_CASES))
+def test_ranged_forward_backward_match_reference(name):
+    docs, causal, window = RANGED_CASES[name]
+    b, n, h, hk, d = len(docs), 70, 4, 2, 64
+    q, k, v = make(b, n, n, h, hk, d, seed=11)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12))
+    _, _, rng = _ranges(docs, n, causal, window)
+    scale = d**-0.5
+    out, lse = KERNEL.forward(q, k, v, causal=False, scale=scale, key_range=rng)
+    ref_out, ref_lse = REF.forward(q.double(), k.double(), v.double(), causal=False, scale=scale,
+                                   key_range=rng)
+    assert rel_err(out, ref_out) < 1e-5
+    check_lse(lse, ref_lse)
+    ref = REF.backward(do.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, causal=False,
+                       scale=scale, key_range=rng)
+    got = KERNEL.backward(do, q, k, v, ref_out.float(), ref_lse.float(), causal=False, scale=scale,
+                          key_range=rng)
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) < 1e-4
+
+
+def test_ranged_kernels_skip_tiles_nobody_sees():
+    """Padding tokens [32, 64) hold NaN in q, k, v and dout: a kernel that loaded them into any step
+    (even masked: 0 * NaN) would return NaN. Skipped tiles keep every result finite and exact."""
+    n, h, hk, d = 96, 2, 1, 64
+    docs = (((0, 32), (64, 96)),)
+    q, k, v = make(1, n, n, h, hk, d, seed=13)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(14))
+    clean = [t.double().clone() for t in (q, k, v, do)]
+    for t in (q, k, v, do):
+        t[:, 32:64] = float("nan")
+    _, _, rng = _ranges(docs, n)
+    out, lse = KERNEL.forward(q, k, v, causal=False, scale=0.125, key_range=rng)
+    ref_out, ref_lse = REF.forward(*clean[:3], causal=False, scale=0.125, key_range=rng)
+    assert rel_err(out, ref_out) < 1e-5 and (out[:, 32:64] == 0).all()
+    check_lse(lse, ref_lse)
+    ref = REF.backward(clean[3], *clean[:3], ref_out, ref_lse, causal=False, scale=0.125, key_range=rng)
+    got = KERNEL.backward(do, q, k, v, out, lse, causal=False, scale=0.125, key_range=rng)
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) < 1e-4 and (g[:, 32:64] == 0).all()
+
+
+def test_ranged_chunks_accumulate():
+    """Two key chunks with their local ranges, merged in place (forward) and added (backward)."""
+    from lightseq_hf.parallel.segments import local_key_range
+
+    n, h, hk, d = 64, 4, 2, 64
+    docs = (((0, 20), (20, 45), (45, 64)), ((2, 64),))
+    q, k, v = make(2, n, n, h, hk, d, seed=15)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(16))
+    lo, hi, rng = _ranges(docs, n, True, 30)
+    scale = d**-0.5
+    ref_out, ref_lse = REF.forward(q.double(), k.double(), v.double(), causal=False, scale=scale,
+                                   key_range=rng)
+    ref = REF.backward(do.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, causal=False,
+                       scale=scale, key_range=rng)
+    out = torch.zeros(2, n, h, d)
+    lse = torch.full((2, h, n), float("-inf"))
+    dq, dk, dv = torch.zeros(2, n, h, d), torch.zeros(2, n, hk, d), torch.zeros(2, n, hk, d)
+    for start in (32, 0):
+        part = local_key_range(lo, hi, start, 32)
+        sl = slice(start, start + 32)
+        KERNEL.forward(q, k[:, sl], v[:, sl], causal=False, scale=scale, out=out, lse=lse, key_range=part)
+        KERNEL.backward(do, q, k[:, sl], v[:, sl], ref_out.float(), ref_lse.float(), causal=False,
+                        scale=scale, dq=dq, dk=dk[:, sl], dv=dv[:, sl], key_range=part)
+    assert rel_err(out, ref_out) < 1e-5
+    check_lse(lse, ref_lse)
+    for g, r in zip((dq, dk, dv), ref):
+        assert rel_err(g, r) < 1e-4
+
+
+def test_query_ranges_invert_key_ranges():
+    lo, hi, (klo, khi) = _ranges((((0, 5), (7, 20)), ((3, 20),)), 20, True, 4)
+    q_lo, q_hi = triton_attn.query_ranges(klo, khi, 20)
+    rows, cols = torch.arange(20)[:, None], torch.arange(20)[None, :]
+    by_rows = (cols >= klo[:, :, None]) & (cols < khi[:, :, None])
+    by_cols = (rows >= q_lo[:, None, :]) & (rows < q_hi[:, None, :])
+    assert torch.equal(by_rows, by_cols)

@@ -41,6 +41,28 @@ def _auto_backend(device: torch.device, dtype: torch.dtype | None, head_dim: int
     return preferred_cuda_backend(device, triton_ok=triton_ok)
 
 
+def masked_backend(
+    backend: str, device: torch.device, dtype: torch.dtype | None, head_dim: int | None
+) -> str:
+    """The backend for attention with document / window masks (``key_range``): ``auto`` picks one that
+    takes them; an explicit backend that cannot is refused, naming those that can."""
+    if backend == "auto":
+        chosen = _auto_backend(device, dtype, head_dim)
+        if getattr(get_kernel(chosen, device, dtype, head_dim), "supports_key_range", False):
+            return chosen
+        triton_ok = _triton_usable(device) and head_dim in TRITON_HEAD_DIMS and dtype in (
+            torch.float16, torch.bfloat16, torch.float32)
+        if triton_ok and getattr(get_kernel("triton", device), "supports_key_range", False):
+            return "triton"
+        return "reference"
+    if not getattr(get_kernel(backend, device, dtype, head_dim), "supports_key_range", False):
+        raise ValueError(
+            f"backend {backend!r} does not take document or window masks (packed sequences, padding, "
+            "sliding windows); use backend='triton' on a GPU, 'reference', or 'auto'."
+        )
+    return backend
+
+
 def get_kernel(
     backend: str, device: torch.device, dtype: torch.dtype | None = None, head_dim: int | None = None
 ) -> AttentionKernel:
@@ -88,4 +110,5 @@ __all__ = [
     "attention_delta",
     "check_qkv",
     "get_kernel",
+    "masked_backend",
 ]

@@ -5,18 +5,23 @@ Layout: ``q`` is ``(batch, q_len, heads, head_dim)``; ``k`` and ``v`` are
 ``h`` reads key/value head ``h // (heads // kv_heads)`` (key/value heads are never
 replicated). ``lse`` is ``(batch, heads, q_len)``, float32, natural log.
 
+Document / window masks: ``key_range=(lo, hi)``, int32 ``(batch, q_len)`` each, gives every query
+row ``i`` the keys ``lo[i] <= j < hi[i]`` of this chunk (``0 <= lo, hi <= kv_len``; both
+non-decreasing along the row, so tiles outside every row's range are skipped). It replaces the
+causal rule (pass ``causal=False``). Backends that take it say so with ``supports_key_range = True``.
+
 Causal masking with ``q_len != kv_len`` is aligned bottom-right (flash-attn's rule):
 query row ``i`` sees key ``j`` when ``j <= i + kv_len - q_len``. A row that sees no
 key has ``lse = -inf`` and an all-zero output.
 
-forward(q, k, v, *, causal, scale, out=None, lse=None) -> (out, lse)
+forward(q, k, v, *, causal, scale, out=None, lse=None, key_range=None) -> (out, lse)
     Without ``out``/``lse``: returns ``out`` in ``q.dtype`` and ``lse`` in float32.
     With them (float32 running output ``(batch, q_len, heads, head_dim)`` and running
     lse): merges this chunk's attention into them in place (the paper's Algorithm 3)
     and returns them. A running row with ``lse = -inf`` holds nothing yet.
 
 backward(dout, q, k, v, out, lse, *, causal, scale, delta=None,
-         dq=None, dk=None, dv=None) -> (dq, dk, dv)
+         dq=None, dk=None, dv=None, key_range=None) -> (dq, dk, dv)
     ``out`` and ``lse`` are the *global* results of the query rows (over every key
     chunk), so gradients of all chunks add up to the full gradient. ``delta`` is
     ``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)``; computed from ``out``
@@ -112,6 +117,24 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads}) "
             "for GQA/MQA; pick kv_heads dividing heads."
         )
+
+
+def check_key_range(
+    key_range: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, k: torch.Tensor, causal: bool
+) -> None:
+    """Raise ValueError naming the problem when ``key_range`` does not fit the contract."""
+    if key_range is None:
+        return
+    if causal:
+        raise ValueError("key_range replaces the causal rule; pass causal=False together with key_range.")
+    lo, hi = key_range
+    shape = (q.shape[0], q.shape[1])
+    for name, t in (("lo", lo), ("hi", hi)):
+        if tuple(t.shape) != shape or t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(
+                f"key_range {name} must be an int32 tensor of shape {shape} on {q.device}; got "
+                f"{t.dtype} {tuple(t.shape)} on {t.device}."
+            )
 
 
 def merge_into(

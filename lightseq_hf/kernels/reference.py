@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .base import attention_delta, merge_into
+from .base import attention_delta, check_key_range, merge_into
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -25,6 +25,19 @@ def _causal_mask(q_start: int, q_stop: int, k_start: int, k_stop: int, shift: in
     return cols <= rows + shift
 
 
+def _range_mask(lo: torch.Tensor, hi: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+    """``(batch, m, n)``: True where query row i of ``[q0, q1)`` sees key j of ``[k0, k1)``
+    (``lo[i] <= j < hi[i]``)."""
+    cols = torch.arange(k0, k1, device=lo.device)[None, None, :]
+    return (cols >= lo[:, q0:q1, None]) & (cols < hi[:, q0:q1, None])
+
+
+def _key_span(key_range, q0: int, q1: int) -> tuple[int, int]:
+    """Keys ``[start, stop)`` any of the query rows ``[q0, q1)`` may see (ranges are monotone)."""
+    lo, hi = key_range
+    return int(lo[:, q0].min()), int(hi[:, q1 - 1].max())
+
+
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """(b, s, h, d) -> (b, s, kv_heads, group, d), a view."""
     b, s, h, d = q.shape
@@ -35,12 +48,14 @@ class ReferenceKernel:
     """Exact blockwise attention in PyTorch (CPU or GPU, any head dim, any dtype)."""
 
     name = "reference"
+    supports_key_range = True
 
     def __init__(self, block_q: int = 512, block_k: int = 512) -> None:
         self.block_q = block_q
         self.block_k = block_k
 
-    def forward(self, q, k, v, *, causal, scale, out=None, lse=None):
+    def forward(self, q, k, v, *, causal, scale, out=None, lse=None, key_range=None):
+        check_key_range(key_range, q, k, causal)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         acc = _acc_dtype(q.dtype)
@@ -54,13 +69,20 @@ class ReferenceKernel:
             m_run = torch.full((b, hk, h // hk, q1 - q0), -math.inf, dtype=acc, device=q.device)
             l_run = torch.zeros_like(m_run)
             o_run = torch.zeros(b, hk, h // hk, q1 - q0, d, dtype=acc, device=q.device)
-            k_stop = min(lk, q1 + shift) if causal else lk
-            for k0 in range(0, max(k_stop, 0), self.block_k):
+            k_start, k_stop = (0, min(lk, q1 + shift) if causal else lk) if key_range is None else \
+                _key_span(key_range, q0, q1)
+            for k0 in range(k_start, max(k_stop, k_start), self.block_k):
                 k1 = min(k0 + self.block_k, k_stop)
+                if key_range is not None:
+                    mask = _range_mask(*key_range, q0, q1, k0, k1)
+                    if not bool(mask.any()):
+                        continue
                 kb = k[:, k0:k1].to(acc)
                 vb = v[:, k0:k1].to(acc)
                 s = torch.einsum("bmhgd,bnhd->bhgmn", qb, kb) * scale
-                if causal and k1 - 1 > q0 + shift:
+                if key_range is not None:
+                    s = s.masked_fill(~mask[:, None, None], -math.inf)
+                elif causal and k1 - 1 > q0 + shift:
                     mask = _causal_mask(q0, q1, k0, k1, shift, q.device)
                     s = s.masked_fill(~mask, -math.inf)
                 m_new = torch.maximum(m_run, s.amax(dim=-1))
@@ -81,7 +103,9 @@ class ReferenceKernel:
         merge_into(out, lse, chunk_out, chunk_lse)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None):
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None,
+                 key_range=None):
+        check_key_range(key_range, q, k, causal)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         g = h // hk
@@ -101,14 +125,21 @@ class ReferenceKernel:
             lse_b = torch.where(torch.isinf(lse_b), torch.full_like(lse_b, math.inf), lse_b)
             delta_b = delta[:, :, q0:q1].to(acc).reshape(b, hk, g, q1 - q0)
             dq_b = torch.zeros(b, hk, g, q1 - q0, d, dtype=acc, device=q.device)
-            k_stop = min(lk, q1 + shift) if causal else lk
-            for k0 in range(0, max(k_stop, 0), self.block_k):
+            k_start, k_stop = (0, min(lk, q1 + shift) if causal else lk) if key_range is None else \
+                _key_span(key_range, q0, q1)
+            for k0 in range(k_start, max(k_stop, k_start), self.block_k):
                 k1 = min(k0 + self.block_k, k_stop)
+                if key_range is not None:
+                    mask = _range_mask(*key_range, q0, q1, k0, k1)
+                    if not bool(mask.any()):
+                        continue
                 kb = k[:, k0:k1].to(acc)
                 vb = v[:, k0:k1].to(acc)
                 s = torch.einsum("bmhgd,bnhd->bhgmn", qb, kb) * scale
                 p = torch.exp(s - lse_b[..., None])
-                if causal and k1 - 1 > q0 + shift:
+                if key_range is not None:
+                    p = p.masked_fill(~mask[:, None, None], 0.0)
+                elif causal and k1 - 1 > q0 + shift:
                     mask = _causal_mask(q0, q1, k0, k1, shift, q.device)
                     p = p.masked_fill(~mask, 0.0)
                 dv_c[:, k0:k1] += torch.einsum("bhgmn,bmhgd->bnhd", p, dob)

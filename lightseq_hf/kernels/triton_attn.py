@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .base import TRITON_HEAD_DIMS, check_qkv
+from .base import TRITON_HEAD_DIMS, check_key_range, check_qkv
 from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
 from .triton_common import LOG2E, bucket, interpreting
 from .triton_fwd import _attn_fwd
@@ -82,6 +82,15 @@ def _ensure_allocator(device: torch.device) -> None:
         triton.set_allocator(_scratch)
 
 
+def query_ranges(k_lo: torch.Tensor, k_hi: torch.Tensor, lk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The query rows ``[q_lo[j], q_hi[j])`` that see key ``j``, from monotone per-row key ranges
+    (int32 ``(batch, lk)``): the first row whose ``hi`` exceeds ``j`` and the first whose ``lo`` does."""
+    keys = torch.arange(lk, dtype=torch.int32, device=k_lo.device).expand(k_lo.shape[0], lk).contiguous()
+    q_lo = torch.searchsorted(k_hi, keys, right=True).to(torch.int32)
+    q_hi = torch.searchsorted(k_lo, keys, right=True).to(torch.int32)
+    return q_lo, torch.maximum(q_lo, q_hi)
+
+
 def _s(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
@@ -90,6 +99,7 @@ class TritonKernel:
     """Triton FlashAttention-2 style kernels with running-statistics accumulation."""
 
     name = "triton"
+    supports_key_range = True
 
     def forward(
         self,
@@ -101,9 +111,13 @@ class TritonKernel:
         scale: float,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merges into them."""
+        """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merges into them.
+        ``key_range``: per-row key ranges (document / window masks; tiles no row sees are skipped)."""
         _check_inputs(q, k, v)
+        check_key_range(key_range, q, k, causal)
+        k_lo, k_hi = (None, None) if key_range is None else (r.contiguous() for r in key_range)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         k, v = _tma_ready(k), _tma_ready(v)
@@ -134,6 +148,8 @@ class TritonKernel:
             v,
             out,
             lse,
+            k_lo,
+            k_hi,
             *_s(q),
             *_s(k),
             *_s(v),
@@ -151,6 +167,7 @@ class TritonKernel:
             CAUSAL=bool(causal),
             ACCUM=accum,
             PREC=_prec(q.dtype),
+            RANGED=key_range is not None,
         )
         return out, lse
 
@@ -169,9 +186,11 @@ class TritonKernel:
         dq: torch.Tensor | None = None,
         dk: torch.Tensor | None = None,
         dv: torch.Tensor | None = None,
+        key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 ``(dq, dk, dv)`` of this chunk (added into ``dq``/``dk``/``dv`` when given)."""
         _check_inputs(q, k, v)
+        check_key_range(key_range, q, k, causal)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         dev = q.device
@@ -223,7 +242,12 @@ class TritonKernel:
                 BLOCK_M=block,
                 num_warps=4,
             )
-        common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype)}
+        common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype),
+                  "RANGED": key_range is not None}
+        k_lo = k_hi = q_lo = q_hi = None
+        if key_range is not None:
+            k_lo, k_hi = key_range[0].contiguous(), key_range[1].contiguous()
+            q_lo, q_hi = query_ranges(k_lo, k_hi, lk)
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
 
         def grid_kv(meta):
@@ -238,6 +262,10 @@ class TritonKernel:
             delta,
             dk_t,
             dv_t,
+            k_lo,
+            k_hi,
+            q_lo,
+            q_hi,
             *_s(q),
             *_s(k),
             *_s(v),
@@ -262,6 +290,8 @@ class TritonKernel:
             lse,
             delta,
             dq_t,
+            k_lo,
+            k_hi,
             *_s(q),
             *_s(k),
             *_s(v),

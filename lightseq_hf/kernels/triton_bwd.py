@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, row_tiles, tune_bench, visible
+from .triton_common import configs, in_range, key_ranges, ranged_tiles, row_tiles, tune_bench, visible
 
 DKDV_CONFIGS = configs(
     [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
@@ -81,12 +81,18 @@ def _dkdv_step(
     Lq,
     shift,
     qk_scale,
+    KLo,
+    KHi,
+    r_base,
     MASK: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     D_PAD: tl.constexpr,
+    RANGED: tl.constexpr,
 ):
-    """Add one query block's contribution to a key block's dk/dv (transposed: keys are rows)."""
+    """Add one query block's contribution to a key block's dk/dv (transposed: keys are rows).
+
+    ``RANGED``: query row ``i`` sees keys ``KLo[i] <= j < KHi[i]`` instead of the causal rule."""
     m_ok = (start_m + offs_m) < Lq
     q = desc_q.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
     do = desc_do.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
@@ -96,7 +102,13 @@ def _dkdv_step(
     qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
     pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
     if MASK:
-        pT = tl.where((start_m + offs_m)[None, :] + shift >= offs_n[:, None], pT, 0.0)
+        if RANGED:
+            rows = start_m + offs_m
+            row_lo = tl.load(KLo + r_base + rows, mask=m_ok, other=0)
+            row_hi = tl.load(KHi + r_base + rows, mask=m_ok, other=0)
+            pT = tl.where(tl.trans(in_range(row_lo, row_hi, offs_n)), pT, 0.0)
+        else:
+            pT = tl.where((start_m + offs_m)[None, :] + shift >= offs_n[:, None], pT, 0.0)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
     dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
     dsT = pT * (dpT - delta[None, :])
@@ -106,7 +118,7 @@ def _dkdv_step(
 
 @triton.autotune(
     configs=DKDV_CONFIGS,
-    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM", "RANGED"],
     restore_value=["DK", "DV"],
     do_bench=tune_bench,
 )
@@ -120,6 +132,10 @@ def _attn_bwd_dkdv(
     Delta,
     DK,
     DV,
+    KLo,
+    KHi,
+    QLo,
+    QHi,
     sqb,
     sqs,
     sqh,
@@ -165,7 +181,10 @@ def _attn_bwd_dkdv(
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANGED: tl.constexpr = False,
 ):
+    """``RANGED``: ``KLo``/``KHi`` ``(batch, Lq)`` give each query row its keys ``[lo, hi)``, ``QLo``/``QHi``
+    ``(batch, Lk)`` each key its query rows (int32, contiguous, non-decreasing); else all ``None``."""
     pid_n = tl.program_id(0)  # causal: the first key blocks see the most rows, and start first
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -189,77 +208,120 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
-    # Query blocks [lo, mid) straddle the causal diagonal; [mid, end) see every key of the block.
-    end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
-    if CAUSAL:
-        lo = (tl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
-        mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
-        lo = tl.minimum(lo, end)
-        mid = tl.minimum(tl.maximum(mid, lo), end)
+    if RANGED:
+        n_b = tl.num_programs(2)
+        n_h = tl.num_programs(1) * group
+        b32 = tl.program_id(2)
+        desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
+        desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
+        n_ok = offs_n < Lk
+        col_lo = tl.load(QLo + b * Lk + offs_n, mask=n_ok, other=0)
+        col_hi = tl.load(QHi + b * Lk + offs_n, mask=n_ok, other=0)
+        start, full_lo, full_hi, stop = ranged_tiles(col_lo, col_hi, n_ok, BLOCK_M)
+        r_base = b * Lq
+        for g in range(group):
+            h32 = hk * group + g
+            h = h32.to(tl.int64)
+            lse_ptrs = Lse + b * slb + h * slh + (start + offs_m).to(tl.int64) * sls
+            delta_ptrs = Delta + b * seb + h * seh + (start + offs_m).to(tl.int64) * ses
+            for start_m in range(start, full_lo, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_ptrs, delta_ptrs, start_m,
+                                    offs_m, offs_n, Lq, shift, qk_scale, KLo, KHi, r_base, True, PREC,
+                                    BLOCK_M, D_PAD, True)
+                lse_ptrs += BLOCK_M * sls
+                delta_ptrs += BLOCK_M * ses
+            for start_m in range(full_lo, full_hi, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_ptrs, delta_ptrs, start_m,
+                                    offs_m, offs_n, Lq, shift, qk_scale, KLo, KHi, r_base, False, PREC,
+                                    BLOCK_M, D_PAD, True)
+                lse_ptrs += BLOCK_M * sls
+                delta_ptrs += BLOCK_M * ses
+            for start_m in range(full_hi, stop, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_ptrs, delta_ptrs, start_m,
+                                    offs_m, offs_n, Lq, shift, qk_scale, KLo, KHi, r_base, True, PREC,
+                                    BLOCK_M, D_PAD, True)
+                lse_ptrs += BLOCK_M * sls
+                delta_ptrs += BLOCK_M * ses
     else:
-        lo = n0 * 0
-        mid = n0 * 0
+        # Query blocks [lo, mid) straddle the causal diagonal; [mid, end) see every key of the block.
+        end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
+        if CAUSAL:
+            lo = (tl.maximum(n0 - shift, 0) // BLOCK_M) * BLOCK_M
+            mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
+            lo = tl.minimum(lo, end)
+            mid = tl.minimum(tl.maximum(mid, lo), end)
+        else:
+            lo = n0 * 0
+            mid = n0 * 0
 
-    n_b = tl.num_programs(2)
-    n_h = tl.num_programs(1) * group
-    desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
-    desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
-    b32 = tl.program_id(2)
-    for g in range(group):
-        h32 = hk * group + g
-        h = h32.to(tl.int64)
-        lse_ptrs = Lse + b * slb + h * slh + (lo + offs_m).to(tl.int64) * sls
-        delta_ptrs = Delta + b * seb + h * seh + (lo + offs_m).to(tl.int64) * ses
-        for start_m in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk,
-                dv,
-                k,
-                v,
-                desc_q,
-                desc_do,
-                b32,
-                h32,
-                lse_ptrs,
-                delta_ptrs,
-                start_m,
-                offs_m,
-                offs_n,
-                Lq,
-                shift,
-                qk_scale,
-                True,
-                PREC,
-                BLOCK_M,
-                D_PAD,
-            )
-            lse_ptrs += BLOCK_M * sls
-            delta_ptrs += BLOCK_M * ses
-        for start_m in range(mid, end, BLOCK_M):
-            dk, dv = _dkdv_step(
-                dk,
-                dv,
-                k,
-                v,
-                desc_q,
-                desc_do,
-                b32,
-                h32,
-                lse_ptrs,
-                delta_ptrs,
-                start_m,
-                offs_m,
-                offs_n,
-                Lq,
-                shift,
-                qk_scale,
-                False,
-                PREC,
-                BLOCK_M,
-                D_PAD,
-            )
-            lse_ptrs += BLOCK_M * sls
-            delta_ptrs += BLOCK_M * ses
+        n_b = tl.num_programs(2)
+        n_h = tl.num_programs(1) * group
+        desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
+        desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
+        b32 = tl.program_id(2)
+        for g in range(group):
+            h32 = hk * group + g
+            h = h32.to(tl.int64)
+            lse_ptrs = Lse + b * slb + h * slh + (lo + offs_m).to(tl.int64) * sls
+            delta_ptrs = Delta + b * seb + h * seh + (lo + offs_m).to(tl.int64) * ses
+            for start_m in range(lo, mid, BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    desc_q,
+                    desc_do,
+                    b32,
+                    h32,
+                    lse_ptrs,
+                    delta_ptrs,
+                    start_m,
+                    offs_m,
+                    offs_n,
+                    Lq,
+                    shift,
+                    qk_scale,
+                    KLo,
+                    KHi,
+                    0,
+                    True,
+                    PREC,
+                    BLOCK_M,
+                    D_PAD,
+                    False,
+                )
+                lse_ptrs += BLOCK_M * sls
+                delta_ptrs += BLOCK_M * ses
+            for start_m in range(mid, end, BLOCK_M):
+                dk, dv = _dkdv_step(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    desc_q,
+                    desc_do,
+                    b32,
+                    h32,
+                    lse_ptrs,
+                    delta_ptrs,
+                    start_m,
+                    offs_m,
+                    offs_n,
+                    Lq,
+                    shift,
+                    qk_scale,
+                    KLo,
+                    KHi,
+                    0,
+                    False,
+                    PREC,
+                    BLOCK_M,
+                    D_PAD,
+                    False,
+                )
+                lse_ptrs += BLOCK_M * sls
+                delta_ptrs += BLOCK_M * ses
 
     dk = dk * scale
     dk_ptrs = (
@@ -292,19 +354,25 @@ def _dq_step(
     Lk,
     shift,
     qk_scale,
+    row_lo,
+    row_hi,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
+    RANGED: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    """Add one key block's contribution to a query block's dq."""
+    """Add one key block's contribution to a query block's dq (``RANGED``: per-row key ranges)."""
     k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     qk = tl.dot(q, tl.trans(k), input_precision=PREC)
     p = tl.math.exp2(qk * qk_scale - lse[:, None])
     if MASK:
-        keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
+        if RANGED:
+            keep = in_range(row_lo, row_hi, start_n + offs_n)
+        else:
+            keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
         p = tl.where(keep, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PREC)
     ds = p * (dp - delta[:, None])
@@ -314,7 +382,7 @@ def _dq_step(
 
 @triton.autotune(
     configs=DQ_CONFIGS,
-    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM", "RANGED"],
     restore_value=["DQ"],
     do_bench=tune_bench,
 )
@@ -327,6 +395,8 @@ def _attn_bwd_dq(
     Lse,
     Delta,
     DQ,
+    KLo,
+    KHi,
     sqb,
     sqs,
     sqh,
@@ -368,7 +438,9 @@ def _attn_bwd_dq(
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANGED: tl.constexpr = False,
 ):
+    """``RANGED``: ``KLo``/``KHi`` (int32 ``(batch, Lq)``) give each query row its keys; else ``None``."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -392,58 +464,84 @@ def _attn_bwd_dq(
     delta = tl.load(Delta + b * seb + h * seh + offs_m.to(tl.int64) * ses, mask=mask_m, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
-    full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
-    n_b = tl.num_programs(2)
-    n_hk = tl.num_programs(1) // group
-    desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
-    desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
-    b32 = tl.program_id(2)
-    for start_n in range(0, full_hi, BLOCK_N):
-        dq = _dq_step(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            desc_k,
-            desc_v,
-            b32,
-            hk,
-            start_n,
-            offs_m,
-            offs_n,
-            Lk,
-            shift,
-            qk_scale,
-            False,
-            CAUSAL,
-            PREC,
-            BLOCK_N,
-            D_PAD,
-        )
-    for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(
-            dq,
-            q,
-            do,
-            lse,
-            delta,
-            desc_k,
-            desc_v,
-            b32,
-            hk,
-            start_n,
-            offs_m,
-            offs_n,
-            Lk,
-            shift,
-            qk_scale,
-            True,
-            CAUSAL,
-            PREC,
-            BLOCK_N,
-            D_PAD,
-        )
+    if RANGED:
+        n_b = tl.num_programs(2)
+        n_hk = tl.num_programs(1) // group
+        desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
+        desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
+        b32 = tl.program_id(2)
+        r_base = b * Lq
+        row_lo = tl.load(KLo + r_base + offs_m, mask=mask_m, other=0)
+        row_hi = tl.load(KHi + r_base + offs_m, mask=mask_m, other=0)
+        start, full_lo, full_hi, stop = ranged_tiles(row_lo, row_hi, mask_m, BLOCK_N)
+        for start_n in range(start, full_lo, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk, shift,
+                          qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N, D_PAD)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk, shift,
+                          qk_scale, row_lo, row_hi, False, CAUSAL, True, PREC, BLOCK_N, D_PAD)
+        for start_n in range(full_hi, stop, BLOCK_N):
+            dq = _dq_step(dq, q, do, lse, delta, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk, shift,
+                          qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N, D_PAD)
+    else:
+        full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
+        n_b = tl.num_programs(2)
+        n_hk = tl.num_programs(1) // group
+        desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
+        desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
+        b32 = tl.program_id(2)
+        for start_n in range(0, full_hi, BLOCK_N):
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse,
+                delta,
+                desc_k,
+                desc_v,
+                b32,
+                hk,
+                start_n,
+                offs_m,
+                offs_n,
+                Lk,
+                shift,
+                qk_scale,
+                offs_m,
+                offs_m,
+                False,
+                CAUSAL,
+                False,
+                PREC,
+                BLOCK_N,
+                D_PAD,
+            )
+        for start_n in range(full_hi, hi, BLOCK_N):
+            dq = _dq_step(
+                dq,
+                q,
+                do,
+                lse,
+                delta,
+                desc_k,
+                desc_v,
+                b32,
+                hk,
+                start_n,
+                offs_m,
+                offs_n,
+                Lk,
+                shift,
+                qk_scale,
+                offs_m,
+                offs_m,
+                True,
+                CAUSAL,
+                False,
+                PREC,
+                BLOCK_N,
+                D_PAD,
+            )
 
     dq = dq * scale
     dq_ptrs = DQ + b * sdqb + h * sdqh + row * sdqs + offs_d[None, :] * sdqd

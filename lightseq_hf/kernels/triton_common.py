@@ -72,6 +72,32 @@ def visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def ranged_tiles(lo, hi, valid, BLOCK: tl.constexpr):
+    """Tile bounds over the other axis for a block of monotone ranges ``[lo, hi)`` (one per row of the
+    block; ``valid`` marks real rows). The rows see ``[lo[0], hi[-1])`` in all and every row sees
+    ``[lo[-1], hi[0])``. Returns ``(start, full_lo, full_hi, stop)``: tiles in ``[full_lo, full_hi)``
+    need no mask, tiles in ``[start, full_lo)`` and ``[full_hi, stop)`` do; the others hold no visible
+    pair and are skipped (all of them when every row's range is empty, e.g. padding)."""
+    big = 2147483647
+    lo_first = tl.min(tl.where(valid, lo, big))
+    lo_last = tl.max(tl.where(valid, lo, 0))
+    hi_first = tl.min(tl.where(valid, hi, big))
+    hi_last = tl.max(tl.where(valid, hi, 0))
+    nonempty = tl.max(tl.where(valid, hi - lo, 0)) > 0
+    start = (lo_first // BLOCK) * BLOCK
+    stop = tl.where(nonempty, tl.maximum(hi_last, start), start)
+    full_lo = tl.minimum(tl.maximum(tl.cdiv(lo_last, BLOCK) * BLOCK, start), stop)
+    full_hi = tl.minimum(tl.maximum((hi_first // BLOCK) * BLOCK, full_lo), stop)
+    return start, full_lo, full_hi, stop
+
+
+@triton.jit
+def in_range(rows_lo, rows_hi, cols):
+    """Mask ``[rows, cols]``: ``rows_lo <= col < rows_hi`` (per-row key ranges)."""
+    return (cols[None, :] >= rows_lo[:, None]) & (cols[None, :] < rows_hi[:, None])
+
+
+@triton.jit
 def row_tiles(X, n_b, length, n_heads, s_b, s_s, s_h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
               D_PAD: tl.constexpr):
     """TMA descriptor of ``(BLOCK, D_PAD)`` row tiles of one head of a ``(batch, seq, heads, dim)``

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, key_ranges, row_tiles, tune_bench, visible
+from .triton_common import configs, in_range, key_ranges, ranged_tiles, row_tiles, tune_bench, visible
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
@@ -35,18 +35,26 @@ def _fwd_step(
     Lk,
     shift,
     qk_scale,
+    row_lo,
+    row_hi,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
+    RANGED: tl.constexpr,
     PREC: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    """One key block of the online softmax (log2 domain); K/V tiles come by TMA (zero past the edges)."""
+    """One key block of the online softmax (log2 domain); K/V tiles come by TMA (zero past the edges).
+
+    ``RANGED``: row ``i`` sees keys ``row_lo[i] <= j < row_hi[i]`` (document / window masks)."""
     k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
     qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if MASK:
-        keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
+        if RANGED:
+            keep = in_range(row_lo, row_hi, start_n + offs_n)
+        else:
+            keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
         qk = tl.where(keep, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -63,7 +71,7 @@ def _fwd_step(
 
 @triton.autotune(
     configs=FWD_CONFIGS,
-    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM"],
+    key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM", "RANGED"],
     restore_value=["Out", "Lse"],
     do_bench=tune_bench,
 )
@@ -74,6 +82,8 @@ def _attn_fwd(
     V,
     Out,
     Lse,
+    KLo,
+    KHi,
     sqb,
     sqs,
     sqh,
@@ -107,7 +117,10 @@ def _attn_fwd(
     PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    RANGED: tl.constexpr = False,
 ):
+    """``RANGED``: ``KLo``/``KHi`` (int32, contiguous ``(batch, Lq)``, non-decreasing along rows) give each
+    query row its keys ``[lo, hi)``; otherwise they are ``None`` and ``CAUSAL`` decides."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the heaviest query blocks (most keys) start first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -142,57 +155,86 @@ def _attn_fwd(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
-    full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
+    if RANGED:
+        n_b = tl.num_programs(2)
+        n_hk = tl.num_programs(1) // group
+        desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
+        desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
+        b32 = tl.program_id(2)
+        r_base = b * Lq
+        row_lo = tl.load(KLo + r_base + offs_m, mask=mask_m, other=0)
+        row_hi = tl.load(KHi + r_base + offs_m, mask=mask_m, other=0)
+        start, full_lo, full_hi, stop = ranged_tiles(row_lo, row_hi, mask_m, BLOCK_N)
+        for start_n in range(start, full_lo, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk,
+                                      shift, qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N,
+                                      D_PAD)
+        for start_n in range(full_lo, full_hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk,
+                                      shift, qk_scale, row_lo, row_hi, False, CAUSAL, True, PREC, BLOCK_N,
+                                      D_PAD)
+        for start_n in range(full_hi, stop, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk,
+                                      shift, qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N,
+                                      D_PAD)
+    else:
+        full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
 
-    n_b = tl.num_programs(2)
-    n_hk = tl.num_programs(1) // group
-    desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
-    desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
-    b32 = tl.program_id(2)
-    for start_n in range(0, full_hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_step(
-            acc,
-            m_i,
-            l_i,
-            q,
-            desc_k,
-            desc_v,
-            b32,
-            hk,
-            start_n,
-            offs_m,
-            offs_n,
-            Lk,
-            shift,
-            qk_scale,
-            False,
-            CAUSAL,
-            PREC,
-            BLOCK_N,
-            D_PAD,
-        )
-    for start_n in range(full_hi, hi, BLOCK_N):
-        acc, m_i, l_i = _fwd_step(
-            acc,
-            m_i,
-            l_i,
-            q,
-            desc_k,
-            desc_v,
-            b32,
-            hk,
-            start_n,
-            offs_m,
-            offs_n,
-            Lk,
-            shift,
-            qk_scale,
-            True,
-            CAUSAL,
-            PREC,
-            BLOCK_N,
-            D_PAD,
-        )
+        n_b = tl.num_programs(2)
+        n_hk = tl.num_programs(1) // group
+        desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
+        desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
+        b32 = tl.program_id(2)
+        for start_n in range(0, full_hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                desc_k,
+                desc_v,
+                b32,
+                hk,
+                start_n,
+                offs_m,
+                offs_n,
+                Lk,
+                shift,
+                qk_scale,
+                offs_m,
+                offs_m,
+                False,
+                CAUSAL,
+                False,
+                PREC,
+                BLOCK_N,
+                D_PAD,
+            )
+        for start_n in range(full_hi, hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_step(
+                acc,
+                m_i,
+                l_i,
+                q,
+                desc_k,
+                desc_v,
+                b32,
+                hk,
+                start_n,
+                offs_m,
+                offs_n,
+                Lk,
+                shift,
+                qk_scale,
+                offs_m,
+                offs_m,
+                True,
+                CAUSAL,
+                False,
+                PREC,
+                BLOCK_N,
+                D_PAD,
+            )
 
     seen = l_i != 0.0  # a row that saw no key: 0; a NaN row stays NaN (out and lse)
     l_safe = tl.where(seen, l_i, 1.0)

@@ -3,7 +3,8 @@
 from .api import dist_flash_attn
 from .groups import ParallelGroups, current_groups, init_sequence_parallel
 from .merge import merge_into
-from .schedule import SCHEDULES, Schedule, Task, build_schedule
+from .schedule import SCHEDULES, Schedule, SpanTask, Task, build_schedule, build_segment_schedule
+from .segments import Segments, segments_from_hf
 
 __all__ = [
     "ParallelGroups",
@@ -11,8 +12,12 @@ __all__ = [
     "current_groups",
     "init_sequence_parallel",
     "Schedule",
+    "Segments",
+    "SpanTask",
     "Task",
     "build_schedule",
+    "build_segment_schedule",
     "dist_flash_attn",
     "merge_into",
+    "segments_from_hf",
 ]

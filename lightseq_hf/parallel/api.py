@@ -8,9 +8,10 @@ import struct
 import torch
 import torch.distributed as dist
 
-from ..kernels import BACKENDS, check_qkv, get_kernel
+from ..kernels import BACKENDS, check_qkv, get_kernel, masked_backend
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
 from .schedule import SCHEDULES
+from .segments import Segments, as_segments
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
@@ -25,6 +26,7 @@ def check_same_shapes(
     scale: float | None = None,
     schedule: str = "balanced",
     backend: str = "auto",
+    mask_digest: int = 0,
 ) -> None:
     """All-gather each rank's call (shapes, dtype, causal, scale, schedule, backend, which of q/k/v
     need gradients) and raise the same ValueError on every rank if they differ.
@@ -40,7 +42,7 @@ def check_same_shapes(
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
     mine = torch.tensor(
         [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal), scale_bits,
-         SCHEDULES.index(schedule), BACKENDS.index(backend), *map(int, grads)],
+         SCHEDULES.index(schedule), BACKENDS.index(backend), *map(int, grads), mask_digest],
         dtype=torch.int64, device=device,
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -54,15 +56,18 @@ def check_same_shapes(
         need = "".join(n for n, g in zip("qkv", x[11:14]) if g) or "none"
         return (f"q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, kv heads {x[5]}, "
                 f"dtype code {x[6]}, causal {bool(x[7])}, scale {s:.6g}, schedule {SCHEDULES[x[9]]}, "
-                f"backend {BACKENDS[x[10]]}, grads {need}")
+                f"backend {BACKENDS[x[10]]}, grads {need}, segments/window digest {x[14]}")
 
     fields = ("shapes", "shapes", "shapes", "shapes", "shapes", "shapes", "dtypes", "causal flags",
-              "softmax scales", "schedules", "backends", "requires_grad", "requires_grad", "requires_grad")
+              "softmax scales", "schedules", "backends", "requires_grad", "requires_grad", "requires_grad",
+              "segments or windows")
     differ = sorted({fields[i] for i in range(len(fields)) if len({r[i] for r in rows}) > 1},
                     key=fields.index)
     described = "; ".join(f"rank {r}: {describe(x)}" for r, x in enumerate(rows))
+    same_masks = " Pass every rank the same segments (of the full rows) and window."
     hint = (" Every rank must hold an equal-length shard: pad the sequence to a multiple of the group size "
             "(lightseq_hf.pad_to_multiple) before sharding." if "shapes" in differ else
+            same_masks if "segments or windows" in differ else
             " Every rank of the group must call dist_flash_attn with the same arguments, and the same q/k/v "
             "must require gradients on every rank (backward is collective).")
     raise ValueError(
@@ -82,6 +87,9 @@ def dist_flash_attn(
     backend: str = "auto",
     return_lse: bool = False,
     check_shapes: bool = True,
+    segments: Segments | None = None,
+    cu_seqlens: torch.Tensor | list[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded contiguously across ``group``.
 
@@ -96,6 +104,15 @@ def dist_flash_attn(
     ``check_shapes=False`` skips the all-gather that checks every rank's call agrees (shapes,
     dtype, causal, scale, schedule, backend, which inputs need gradients), for callers that
     guarantee it, such as the model patch.
+
+    Packed documents and padding: ``segments`` (a :class:`~lightseq_hf.parallel.segments.Segments`
+    of the *full* rows, the same on every rank) or ``cu_seqlens`` (cumulative document lengths over
+    the flattened full ``batch * seq`` tokens, flash-attn style; tokens after the last are padding).
+    Attention never crosses a document; padding tokens attend nothing and are attended by nothing
+    (output 0, lse -inf, gradients 0). ``window``: sliding-window attention, key ``j`` visible from
+    query ``i`` only when ``i - window < j`` (and, non-causal, ``j < i + window``). Blocks with no
+    visible pair are neither computed nor sent, and the schedule balances visible pairs (it replaces
+    ``schedule``, which applies to plain rows). Backends: ``"reference"`` and ``"triton"``.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
@@ -109,9 +126,33 @@ def dist_flash_attn(
             f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
             "one sequence, so q, k and v shards must have the same length."
         )
+    if segments is not None and cu_seqlens is not None:
+        raise ValueError("pass segments or cu_seqlens, not both.")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (or None); got {window!r}.")
+    _, world = group_rank_and_size(group)
+    batch, length = q.shape[0], q.shape[1] * world
+    seg = as_segments(segments if segments is not None else cu_seqlens, batch, length)
+    if seg is not None and (seg.batch, seg.length) != (batch, length):
+        raise ValueError(
+            f"segments describe {seg.batch} rows of {seg.length} tokens, but the full inputs are {batch} "
+            f"rows of {length} tokens ({q.shape[1]} per rank x {world} ranks); build them for the full, "
+            "padded rows (Segments.padded extends them with padding)."
+        )
+    if window is not None and seg is None:
+        seg = Segments.full(batch, length)
+    if seg is not None and seg.is_full() and window is None:
+        seg = None  # plain rows: the whole-block schedule
+    if seg is not None:
+        backend = masked_backend(backend, q.device, q.dtype, q.shape[-1])
     get_kernel(backend, q.device, q.dtype, q.shape[-1])  # fail early with the backend's own error
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if check_shapes:
-        check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend)
-    out, lse = dist_attn_fwd(q, k, v, causal, float(scale), group_handle(group), schedule, backend)
+        digest = 0 if seg is None else seg.checksum() * 31 + (window or 0)
+        check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend,
+                          mask_digest=digest)
+    out, lse = dist_attn_fwd(
+        q, k, v, causal, float(scale), group_handle(group), schedule, backend,
+        [] if seg is None else seg.encode(), window or 0,
+    )
     return (out, lse) if return_lse else out

@@ -22,9 +22,23 @@ import torch
 from ..kernels.base import AttentionKernel, attention_delta
 from .comm import PeerComm, Transfers
 from .merge import empty_running, merge_into
-from .schedule import Schedule, Task
+from .schedule import Schedule, SpanTask, Task
+from .segments import local_key_range
 
 Bundle = dict[str, torch.Tensor]
+KeyRanges = tuple[torch.Tensor, torch.Tensor]
+
+
+def _kernel_mask(task: Task | SpanTask, ranges: KeyRanges | None, chunk: int) -> dict[str, Any]:
+    """Kernel keywords for ``task``: its causal flag, or (with global key ``ranges``) the key range of
+    its query rows within the key chunk."""
+    if ranges is None:
+        return {"causal": task.diagonal}
+    start, stop = task.rows(chunk)
+    rows = slice(task.q_owner * chunk + start, task.q_owner * chunk + stop)
+    lo, hi = ranges
+    key_range = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk, chunk)
+    return {"causal": False, "key_range": key_range}
 
 
 def _rows(t: torch.Tensor, task: Task, seq_dim: int) -> torch.Tensor:
@@ -125,9 +139,15 @@ def dist_attn_forward(
     rank: int,
     comm: PeerComm,
     kernel: AttentionKernel,
+    ranges: KeyRanges | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (out in q.dtype, lse float32) of attention over the whole sequence."""
+    """This rank's (out in q.dtype, lse float32) of attention over the whole sequence.
+
+    ``ranges``: global key ranges ``(lo, hi)`` ``(batch, seq)`` of every query row (packed documents,
+    padding, windows; see ``segments``), with a schedule built from the same segments.
+    """
     out, lse = empty_running(q)
+    chunk = q.shape[1]
 
     def q_rows(task: Task) -> Bundle:
         return {"q": _rows(q, task, 1)}
@@ -140,14 +160,12 @@ def dist_attn_forward(
         if task is None:
             return None
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
+        mask = _kernel_mask(task, ranges, chunk)
         if task.q_owner == rank:
-            kernel.forward(
-                qt, kt, vt, causal=task.diagonal, scale=scale,
-                out=_rows(out, task, 1), lse=_rows(lse, task, 2),
-            )
+            kernel.forward(qt, kt, vt, scale=scale, out=_rows(out, task, 1), lse=_rows(lse, task, 2), **mask)
             return None
         part_out, part_lse = empty_running(qt)
-        kernel.forward(qt, kt, vt, causal=task.diagonal, scale=scale, out=part_out, lse=part_lse)
+        kernel.forward(qt, kt, vt, scale=scale, out=part_out, lse=part_lse, **mask)
         return {"out": part_out, "lse": part_lse}
 
     def plan_results(t: int, produced: Bundle | None):
@@ -184,6 +202,7 @@ def dist_attn_backward(
     rank: int,
     comm: PeerComm,
     kernel: AttentionKernel,
+    ranges: KeyRanges | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (dq, dk, dv) in the input dtype; ``out``/``lse`` are this rank's global results.
 
@@ -204,6 +223,7 @@ def dist_attn_backward(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     dout = dout.contiguous()
+    chunk = q.shape[1]
 
     # Kernels that cannot take delta (SDPA) get the output rows instead.
     row_stat, row_stat_dim = (out, 1) if needs_out else (delta, 2)
@@ -227,7 +247,7 @@ def dist_attn_backward(
         row_out, row_delta = (q_in["stat"], None) if needs_out else (None, q_in["stat"])
         grads = kernel.backward(
             q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
-            causal=task.diagonal, scale=scale, delta=row_delta,
+            scale=scale, delta=row_delta, **_kernel_mask(task, ranges, chunk),
             dq=_rows(dq, task, 1) if own_q else None,
             dk=dk if own_kv else None,
             dv=dv if own_kv else None,

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from ..kernels import get_kernel
 from .comm import PeerComm
 from .dist_attn import dist_attn_backward, dist_attn_forward
-from .schedule import build_schedule
+from .schedule import Schedule, build_schedule, build_segment_schedule
+from .segments import decode_segments, key_ranges, local_key_range
 
 _groups: list[dist.ProcessGroup | None] = []
 _comms: dict[tuple[int, str], PeerComm] = {}
@@ -47,6 +48,23 @@ def _context(handle: int, device: torch.device) -> tuple[int, int, PeerComm]:
     return rank, world, _comms[key]
 
 
+def _plan(
+    world: int, causal: bool, schedule: str, segments: list[int], window: int, device: torch.device
+) -> tuple[Schedule, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The schedule and (for packed documents or a window) the global key ranges on ``device``.
+
+    ``segments`` is :meth:`Segments.encode` (empty: one plain sequence per row); ``window`` 0 is none.
+    """
+    if not segments and not window:
+        return build_schedule(world, causal, schedule), None
+    if not segments:
+        raise ValueError("a window needs the segments of the rows (Segments.full for plain rows).")
+    seg = decode_segments(segments)
+    win = window or None
+    lo, hi = key_ranges(seg, causal=causal, window=win, device=device)
+    return build_segment_schedule(world, seg, causal, win), (lo, hi)
+
+
 @torch.library.custom_op("lightseq_hf::dist_attn_fwd", mutates_args=())
 def dist_attn_fwd(
     q: torch.Tensor,
@@ -57,22 +75,27 @@ def dist_attn_fwd(
     group: int,
     schedule: str,
     backend: str,
+    segments: list[int],
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     call_counts["forward"] += 1
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rank, world, comm = _context(group, q.device)
+    plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
     if world == 1:
-        out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
-        return out, lse
+        if ranges is None:
+            return kernel.forward(q, k, v, causal=causal, scale=scale)
+        rng = local_key_range(*ranges, 0, k.shape[1])
+        return kernel.forward(q, k, v, causal=False, scale=scale, key_range=rng)
     return dist_attn_forward(
-        q, k, v, causal=causal, scale=scale, schedule=build_schedule(world, causal, schedule),
-        rank=rank, comm=comm, kernel=kernel,
+        q, k, v, causal=causal, scale=scale, schedule=plan, rank=rank, comm=comm, kernel=kernel,
+        ranges=ranges,
     )
 
 
 @dist_attn_fwd.register_fake
-def _(q, k, v, causal, scale, group, schedule, backend):
+def _(q, k, v, causal, scale, group, schedule, backend, segments, window):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, s, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, s), dtype=lse_dtype)
@@ -92,28 +115,31 @@ def dist_attn_bwd(
     group: int,
     schedule: str,
     backend: str,
+    segments: list[int],
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call_counts["backward"] += 1
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     # autograd saved the caller's q/k/v, which may be views (transposes, slices): k and v are sent
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     rank, world, comm = _context(group, q.device)
+    plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
     return dist_attn_backward(
         dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,
-        schedule=build_schedule(world, causal, schedule), rank=rank, comm=comm, kernel=kernel,
+        schedule=plan, rank=rank, comm=comm, kernel=kernel, ranges=ranges,
     )
 
 
 @dist_attn_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, causal, scale, group, schedule, backend):
+def _(dout, dlse, q, k, v, out, lse, causal, scale, group, schedule, backend, segments, window):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, group, schedule, backend = inputs
+    q, k, v, causal, scale, group, schedule, backend, segments, window = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, scale, group, schedule, backend)
+    ctx.args = (causal, scale, group, schedule, backend, segments, window)
     ctx.set_materialize_grads(False)  # an unused lse gets no (zero) gradient tensor
 
 
@@ -122,7 +148,7 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = dist_attn_bwd(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 dist_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

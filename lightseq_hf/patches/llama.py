@@ -35,6 +35,7 @@ from ..kernels import BACKENDS
 from ..parallel.api import dist_flash_attn
 from ..parallel.groups import current_groups
 from ..parallel.ops import group_rank_and_size
+from ..parallel.segments import Segments, segments_from_hf
 from ..parallel.sharding import (
     IGNORE_INDEX,
     chunked_loss_sum,
@@ -82,6 +83,7 @@ class SequenceParallelContext:
     group: dist.ProcessGroup | None
     backend: str
     seq_len: int
+    segments: Segments | None = None  # documents of the full (padded) rows; None: one per row
 
 
 _settings: PatchSettings | None = None
@@ -330,24 +332,21 @@ def _make_forward(original):
 # ----------------------------------------------------------------------------- the forward
 
 
-def _check_attention_mask(attention_mask: torch.Tensor | None) -> None:
-    if attention_mask is None:
-        return
-    if attention_mask.dim() != 2:
-        raise ValueError(
-            f"lightseq_hf's sequence parallelism takes no custom {attention_mask.dim()}-D attention_mask; "
-            "attention is causal over the whole sequence. Pass attention_mask=None."
-        )
-    if not bool(attention_mask.bool().all()):
-        raise ValueError(
-            "attention_mask contains zeros (padded or packed sequences), which lightseq_hf's sequence "
-            "parallelism does not support yet. Give every row the same length without padding (e.g. "
-            "pack or truncate to a fixed length, or batch size 1) and set the labels of tokens to skip "
-            "to -100; an all-ones attention_mask (or None) is fine."
-        )
+def _segments_of(attention_mask, position_ids, kwargs: dict, batch: int, seq: int,
+                 padded_len: int) -> Segments | None:
+    """Documents of the full rows from HF inputs (restarting ``position_ids``, ``cu_seq_lens_*`` kwargs,
+    2-D padding masks), extended over the right-padding to ``padded_len``; ``None`` for plain rows.
+    Pops the flash-attn varlen kwargs, which describe the full rows, not this rank's slice."""
+    cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
+    kwargs.pop("max_length_q", None)
+    kwargs.pop("max_length_k", None)
+    segments = segments_from_hf(batch=batch, length=seq, attention_mask=attention_mask,
+                                position_ids=position_ids, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
+    return None if segments is None else segments.padded(padded_len)
 
 
-def _check_same_batch(group, batch: int, seq: int, input_ids, labels, device: torch.device) -> None:
+def _check_same_batch(group, batch: int, seq: int, input_ids, labels, device: torch.device,
+                      segments: Segments | None = None) -> None:
     """All-gather a fingerprint of the batch: every rank of the group must hold the same one."""
     backend = dist.get_backend(group)
     where = device if backend == "nccl" else torch.device("cpu")
@@ -365,7 +364,9 @@ def _check_same_batch(group, batch: int, seq: int, input_ids, labels, device: to
 
     mine = torch.cat([torch.tensor([batch, seq, int(labels is not None), int(labels_ok)], device=where,
                                    dtype=torch.int64),
-                      checksums(input_ids), checksums(labels if labels_ok else None)])
+                      checksums(input_ids), checksums(labels if labels_ok else None),
+                      torch.tensor([0 if segments is None else segments.checksum()], device=where,
+                                   dtype=torch.int64)])
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
@@ -395,7 +396,6 @@ def _sequence_parallel_forward(model, settings, input_ids, attention_mask, posit
             "logits_to_keep is not supported by lightseq_hf's sequence-parallel forward (every rank returns "
             "the logits of its slice); generation with a KV cache runs the unpatched forward."
         )
-    _check_attention_mask(attention_mask)
     full = input_ids if input_ids is not None else inputs_embeds
     batch, seq = full.shape[:2]
     device = full.device
@@ -407,14 +407,18 @@ def _sequence_parallel_forward(model, settings, input_ids, attention_mask, posit
 
     group = resolve_sp_group(settings)
     rank, world = group_rank_and_size(group)
-    if world > 1:
-        _check_same_batch(group, batch, seq, input_ids, shifted, device)
     shard = shard_for(seq, rank, world)
+    segments = _segments_of(attention_mask, position_ids, kwargs, batch, seq, shard.padded_len)
+    if world > 1:
+        _check_same_batch(group, batch, seq, input_ids, shifted, device, segments)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     local_ids = take_shard(input_ids, shard, value=pad_id) if input_ids is not None else None
     local_embeds = take_shard(inputs_embeds, shard) if inputs_embeds is not None else None
-    local_pos = global_position_ids(position_ids, batch, shard, device)
-    context = SequenceParallelContext(group, settings.backend, seq)
+    if segments is not None and position_ids is not None:  # packed: positions restart per document
+        local_pos = take_shard(position_ids.reshape(-1, seq).expand(batch, seq), shard)
+    else:
+        local_pos = global_position_ids(position_ids, batch, shard, device)
+    context = SequenceParallelContext(group, settings.backend, seq, segments)
 
     base = getattr(model, model.base_model_prefix)
     outputs = base(input_ids=local_ids, inputs_embeds=local_embeds, attention_mask=None,
@@ -462,16 +466,11 @@ def lightseq_attention(
             "config.attention_dropout = 0.0."
         )
     window = kwargs.get("sliding_window")
-    if window is not None and context.seq_len > window:
-        raise ValueError(
-            f"this layer uses sliding-window attention (window {window}) and the sequence has "
-            f"{context.seq_len} tokens; lightseq_hf's distributed attention is full causal attention. Set "
-            "config.sliding_window = None (or use_sliding_window = False) or use sequences no longer than "
-            "the window."
-        )
+    if window is not None and window >= context.seq_len:
+        window = None  # no token is further back than the window
     out = dist_flash_attn(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True,
                           softmax_scale=scaling, group=context.group, backend=context.backend,
-                          check_shapes=False)
+                          check_shapes=False, segments=context.segments, window=window)
     return out, None
 
 

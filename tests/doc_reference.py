@@ -1,0 +1,70 @@
+"""Test-only float64 attention computed one document at a time (no masks shared with the code)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attend(q, k, v, causal, window, scale):
+    """Materialized float64 attention of one document ``(len, heads, dim)``; returns (out, lse)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n = q.shape[0]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    hidden = torch.zeros(n, n, dtype=torch.bool)
+    if causal:
+        hidden |= j > i
+    if window is not None:
+        hidden |= i - j >= window
+        if not causal:
+            hidden |= j - i >= window
+    s = s.masked_fill(hidden, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v), lse
+
+
+def per_document_attention(q, k, v, docs, *, causal=True, window=None, scale=None):
+    """Attention of each document of ``docs`` (per batch row, ``[start, stop)`` lists) on its own.
+
+    Padding tokens (in no document) get out 0 and lse -inf. Differentiable (float64).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    b, n, h, d = q.shape
+    rows_out, rows_lse = [], []
+    for r in range(b):
+        outs, lses, t = [], [], 0
+        for start, stop in (*docs[r], (n, n)):
+            if start > t:  # padding
+                outs.append(torch.zeros(start - t, h, d, dtype=torch.float64))
+                lses.append(torch.full((h, start - t), -math.inf, dtype=torch.float64))
+            if stop > start:
+                o, s = attend(q[r, start:stop], k[r, start:stop], v[r, start:stop], causal, window, scale)
+                outs.append(o)
+                lses.append(s)
+            t = stop
+        rows_out.append(torch.cat(outs, 0))
+        rows_lse.append(torch.cat(lses, 1))
+    return torch.stack(rows_out), torch.stack(rows_lse)
+
+
+def random_docs(gen, batch, length, *, pad_left=False, pad_right=False, min_len=1, max_len=None):
+    """Random documents per row (lengths 1..max_len, some length 1), optionally with padding."""
+    rows = []
+    for _ in range(batch):
+        left = int(torch.randint(0, length // 4 + 1, (1,), generator=gen)) if pad_left else 0
+        right = int(torch.randint(0, length // 4 + 1, (1,), generator=gen)) if pad_right else 0
+        t, docs = left, []
+        cap = max_len or length
+        while t < length - right:
+            size = int(torch.randint(min_len, cap + 1, (1,), generator=gen))
+            if torch.rand(1, generator=gen).item() < 0.2:
+                size = 1
+            stop = min(t + size, length - right)
+            docs.append((t, stop))
+            t = stop
+        rows.append(tuple(docs))
+    return tuple(rows)
