@@ -380,3 +380,48 @@ def test_clients_match_one_process(world, reference):
             for rank, r in enumerate(results):
                 _compare(name, world, rank, r[name], reference[name], bound, failures)
     assert not failures, "\n".join(failures)
+
+
+# ----------------------------------------------------------------------------- one process, no distributed
+
+
+def test_single_process_boundary(caplog):
+    """The decoder stack called directly, right padding, the KV cache, and the logged attention switch."""
+    import logging
+
+    from tiny_models import loss_and_grads, make_batch
+
+    import lightseq_hf
+
+    ids, labels = make_batch(2, 21, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    labels[1, -5:] = -100
+    ref = _model()
+    ref_loss, ref_grads, _ = loss_and_grads(ref, input_ids=ids, labels=labels, attention_mask=mask)
+    ref.eval()
+    with torch.no_grad():
+        ref_hidden = ref.model(input_ids=ids).last_hidden_state
+        ref_cache = ref(input_ids=ids[:, :-1], use_cache=True)
+        ref_step = ref(input_ids=ids[:, -1:], past_key_values=ref_cache.past_key_values, use_cache=True)
+    try:
+        lightseq_hf.patch_llama()
+        model = _model()
+        with caplog.at_level(logging.WARNING, logger="lightseq_hf"):
+            loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels, attention_mask=mask)
+        assert "attention implementation 'eager' -> 'lightseq_dist'" in caplog.text
+        assert rel_err(loss, ref_loss) <= 1e-6  # right padding is exact
+        assert max(rel_err(grads[n], ref_grads[n]) for n in ref_grads) <= 1e-5
+        model.eval()
+        with torch.no_grad():
+            assert rel_err(model.model(input_ids=ids).last_hidden_state, ref_hidden) <= 1e-6
+            cache = model(input_ids=ids[:, :-1], use_cache=True)
+            assert cache.past_key_values is not None and rel_err(cache.logits, ref_cache.logits) <= 1e-6
+            step = model(input_ids=ids[:, -1:], past_key_values=cache.past_key_values, use_cache=True)
+            assert rel_err(step.logits, ref_step.logits) <= 1e-6
+            assert model(input_ids=ids, logits_to_keep=1).logits.shape == (2, 1, 128)
+        with pytest.raises(ValueError, match="lightseq_logits='rows': choose 'full'"):
+            model(input_ids=ids, lightseq_logits="rows")
+    finally:
+        lightseq_hf.unpatch_llama()
+    assert model.config._attn_implementation == "eager"

@@ -331,11 +331,10 @@ def _adopt(model: torch.nn.Module, settings: PatchSettings) -> None:
         for member in _members(model):
             member._lightseq_fallback_attn = current
         model.config._attn_implementation = ATTN_IMPLEMENTATION
-        name = type(model).__name__
-        _warn_once(f"adopt {name} {current}", (
-            f"lightseq_hf: {name} attention implementation {current!r} -> {ATTN_IMPLEMENTATION!r} (exact "
-            f"distributed attention over the sequence-parallel group; calls with a KV cache still use "
-            f"{current!r}; lightseq_hf.unpatch_llama() restores it)."))
+        logger.warning(
+            "lightseq_hf: %s attention implementation %r -> %r (exact distributed attention over the "
+            "sequence-parallel group; calls with a KV cache still use %r; lightseq_hf.unpatch_llama() "
+            "restores it).", type(model).__name__, current, ATTN_IMPLEMENTATION, current)
     route_checkpointing(model, settings.checkpointing)
     _adopted.update(_members(model))
 
