@@ -289,6 +289,30 @@ CLIENTS = {
 # ----------------------------------------------------------------------------- workers
 
 
+def check_gather_sequence(rank, world, device):
+    """gather_sequence: the whole rows forward, this rank's slice of the group-summed gradient backward."""
+    from lightseq_hf.parallel.sharding import gather_sequence, shard_for
+
+    failures = []
+    for seq in (12, 11):  # divisible by 2 and 3 or not: right-padded to a multiple of the group
+        g = torch.Generator(device=device).manual_seed(seq)
+        full = torch.randn(2, seq, 8, device=device, generator=g)
+        weight = torch.randn(2, seq, 8, device=device, generator=g)
+        shard = shard_for(seq, rank, world)
+        padded = torch.nn.functional.pad(full, (0, 0, 0, shard.padded_len - seq))
+        local = padded[:, shard.start:shard.end].clone().requires_grad_(True)
+        gathered = gather_sequence(local, None, shard)
+        (gathered * weight * (rank + 1)).sum().backward()  # a different loss on every rank
+        summed = weight * sum(r + 1 for r in range(world))
+        want = torch.nn.functional.pad(summed, (0, 0, 0, shard.padded_len - seq))[:, shard.start:shard.end]
+        exact = gathered.shape == full.shape and torch.equal(gathered, full)
+        if not exact or rel_err(local.grad, want) > 1e-6:
+            failures.append(f"gather_sequence, rank {rank}, length {seq}: gathered {tuple(gathered.shape)}, "
+                            f"gradient rel err {rel_err(local.grad, want):.1e}")
+    return failures
+
+
+
 def worker(rank, world, patched):
     os.environ["TRITON_INTERPRET"] = "1"  # Liger's Triton kernels on the CPU
     import logging
@@ -297,9 +321,10 @@ def worker(rank, world, patched):
     from lightseq_hf.parallel import ops
 
     logging.getLogger("lightseq_hf").setLevel(logging.ERROR)
+    results = {}
     if patched:
         lightseq_hf.patch_llama()
-    results = {}
+        results["gather_sequence"] = check_gather_sequence(rank, world, torch.device("cpu"))
     only = os.environ.get("LIGHTSEQ_TEST_CLIENTS")  # a substring, to run some clients while debugging
     for name, client in CLIENTS.items():
         if only and only not in name:
@@ -366,7 +391,7 @@ def test_clients_match_one_process(world, reference):
     assert set(table) == set(CLIENTS), f"README client table rows {sorted(set(table) ^ set(CLIENTS))}"
     results = run_distributed(worker, world, True)
     assert all(isinstance(r, dict) for r in results), "\n".join(r[0] for r in results if isinstance(r, list))
-    failures = []
+    failures = [f for r in results for f in r.pop("gather_sequence")]
     for name, (status, cell) in table.items():
         if status == "refused":
             quoted = re.search(r"`([^`]+)`", cell).group(1)
