@@ -77,15 +77,15 @@ def worker_exactness(rank, world):
             want = LAYERS * (2 if mode == "hf" else 1)
             if calls != {"forward": want, "backward": LAYERS}:
                 failures.append(f"{tag}: attention op calls {calls}, want forward {want}, backward {LAYERS}")
-        # forward-only: this rank's slice of the logits, without the padding
+        # forward-only: the whole sequence's logits on every rank (default), or this rank's slice
         model.eval()
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits
         shard = shard_for(seq, rank, world)
-        want = ref_logits[:, shard.start:shard.real_end]
-        if logits.shape != want.shape or rel_err(logits, want) > 1e-5:
-            failures.append(f"{arch} length {seq}: eval logits {tuple(logits.shape)} err "
-                            f"{rel_err(logits, want) if logits.shape == want.shape else 'shape'}")
+        for layout, want in (("full", ref_logits), ("shard", ref_logits[:, shard.start:shard.real_end])):
+            with torch.no_grad():
+                logits = model(input_ids=ids, lightseq_logits=layout).logits
+            if logits.shape != want.shape or rel_err(logits, want) > 1e-5:
+                failures.append(f"{arch} length {seq}: eval logits ({layout}) {tuple(logits.shape)} err "
+                                f"{rel_err(logits, want) if logits.shape == want.shape else 'shape'}")
     failures += _bad_inputs(rank, world)
     lightseq_hf.unpatch_llama()
     return failures
@@ -117,6 +117,10 @@ def _bad_inputs(rank, world):
     holes[0, 5:8] = 0  # not padding: packed documents go through position_ids (test_patch_packed.py)
     _expect(failures, "mask with zeros inside a row", "zeros between ones",
             lambda: model(input_ids=ids, labels=labels, attention_mask=holes))
+    padded = torch.ones_like(ids)
+    padded[0, -4:] = 0
+    _expect(failures, "right padding with labels on the padding", "labels of padding positions",
+            lambda: model(input_ids=ids, labels=labels, attention_mask=padded))
     _expect(failures, "4-D mask", "attention_mask",
             lambda: model(input_ids=ids, attention_mask=torch.ones(2, 1, 24, 24)))
     other = ids if rank == 0 else (ids + 1) % 128

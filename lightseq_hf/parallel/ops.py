@@ -2,10 +2,15 @@
 
 ``torch.ops.lightseq_hf.dist_attn_fwd`` computes this rank's (out, lse);
 ``torch.ops.lightseq_hf.dist_attn_bwd`` its gradients. Process groups cannot be op
-arguments, so they travel as integer handles from :func:`group_handle`.
+arguments, so they travel as their registered names (:func:`group_handle`), which
+``torch.distributed`` resolves back to the group inside the op. A name is computed from the group
+object alone, so ``torch.compile`` traces it as a constant (an index into a Python list appended
+to while tracing was not yet filled when the compiled graph first ran).
 """
 
 from __future__ import annotations
+
+import collections
 
 import torch
 import torch.distributed as dist
@@ -16,20 +21,30 @@ from .dist_attn import dist_attn_backward, dist_attn_forward
 from .schedule import Schedule, build_schedule, build_segment_schedule
 from .segments import decode_segments, key_ranges, local_key_range
 
-_groups: list[dist.ProcessGroup | None] = []
-_comms: dict[tuple[int, str], PeerComm] = {}
+_comms: dict[tuple[str, str], PeerComm] = {}
 
 #: How often each op ran in this process (tests count attention forwards with it).
 call_counts = {"forward": 0, "backward": 0}
+#: local (per-rank) query length -> how many attention forwards saw it (tests prove the split with it).
+local_lengths: collections.Counter = collections.Counter()
 
 
-def group_handle(group: dist.ProcessGroup | None) -> int:
-    """An integer standing for ``group`` (``None``: the default group) in op arguments."""
-    for i, known in enumerate(_groups):
-        if known is group:
-            return i
-    _groups.append(group)
-    return len(_groups) - 1
+def group_handle(group: dist.ProcessGroup | None) -> str:
+    """The name standing for ``group`` (``None``: the default group) in op arguments.
+
+    ``""`` without torch.distributed (a single process).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def _resolve(handle: str) -> dist.ProcessGroup | None:
+    if not handle:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(handle)
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -39,11 +54,11 @@ def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _context(handle: int, device: torch.device) -> tuple[int, int, PeerComm]:
-    group = _groups[handle]
+def _context(handle: str, device: torch.device) -> tuple[int, int, PeerComm]:
+    group = _resolve(handle)
     rank, world = group_rank_and_size(group)
     key = (handle, str(device))
-    if key not in _comms:
+    if key not in _comms or _comms[key].group is not group:  # a name reused by a re-created group
         _comms[key] = PeerComm(group, device)
     return rank, world, _comms[key]
 
@@ -72,13 +87,14 @@ def dist_attn_fwd(
     v: torch.Tensor,
     causal: bool,
     scale: float,
-    group: int,
+    group: str,
     schedule: str,
     backend: str,
     segments: list[int],
     window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     call_counts["forward"] += 1
+    local_lengths[q.shape[1]] += 1
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rank, world, comm = _context(group, q.device)
@@ -112,7 +128,7 @@ def dist_attn_bwd(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-    group: int,
+    group: str,
     schedule: str,
     backend: str,
     segments: list[int],

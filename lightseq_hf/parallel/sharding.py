@@ -277,6 +277,48 @@ def _check_vocab(logits: torch.Tensor, vocab: int) -> None:
                          f"vocab_size is {vocab}; fix config.vocab_size or the head.")
 
 
+class _GatherSequence(torch.autograd.Function):
+    """All-gather this rank's slice along dim 1; backward: this rank's slice of the group-summed gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None, shard: SequenceShard) -> torch.Tensor:
+        ctx.group, ctx.shard = group, shard
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(shard.world)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=1)[:, :shard.seq_len].contiguous()  # clients .view() it
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shard = ctx.shard
+        grad = pad_to_multiple(grad.contiguous(), shard.world, dim=1)
+        if dist.get_backend(ctx.group) == "nccl":
+            chunks = grad.movedim(1, 0).reshape(shard.world, shard.local_len, grad.shape[0], *grad.shape[2:])
+            mine = torch.empty_like(chunks[0])
+            dist.reduce_scatter_tensor(mine, chunks.contiguous(), group=ctx.group)
+            return mine.movedim(0, 1).contiguous(), None, None
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad.narrow(1, shard.start, shard.local_len).contiguous(), None, None
+
+
+def gather_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None, shard: SequenceShard
+) -> torch.Tensor:
+    """This rank's slice ``x`` (``(batch, shard.local_len, ...)``) -> the whole sequence, without padding.
+
+    Differentiable: the backward sums the gradients of the group's ranks (each rank holds the
+    whole sequence and runs the same head and loss on it) and keeps this rank's slice, so the
+    gradients of the ``P`` replicas add up to ``P`` times the full-sequence gradient, the same
+    convention as :func:`sequence_parallel_loss`; the data-parallel average makes it exact.
+    """
+    if x.shape[1] != shard.local_len:
+        raise ValueError(f"expected a slice of {shard.local_len} tokens along dim 1, got {x.shape[1]}.")
+    if shard.world == 1:
+        return x[:, :shard.seq_len]
+    return _GatherSequence.apply(x, group, shard)
+
+
 class _GroupSum(torch.autograd.Function):
     """All-reduce (sum) whose backward all-reduces (sums) the incoming gradient."""
 

@@ -320,7 +320,7 @@ def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: in
     for i in range(0, max(len(mine), 1), batch_size):
         idx = mine[i: i + batch_size] or [0]  # groups with no sample left run a dummy to stay in step
         batch = collate([ds[j] for j in idx])
-        out = model(input_ids=batch["input_ids"].to(device))
+        out = model(input_ids=batch["input_ids"].to(device), lightseq_logits="shard")  # 1/P of the logits
         logits = out.logits
         if logits.shape[1] == n:  # unsliced output (sp_size 1)
             logits = logits[:, start: start + local]

@@ -106,3 +106,15 @@ def worker_peak_memory(rank, world):
 def test_peak_memory_holds_at_most_one_remote_chunk_and_one_prefetch():
     failures = [f for r in run_distributed(worker_peak_memory, WORLD, backend="nccl") for f in r]
     assert not failures, "\n".join(failures)
+
+
+
+def worker_gather_sequence(rank, world):
+    from test_clients import check_gather_sequence
+
+    return check_gather_sequence(rank, world, torch.device("cuda", rank))  # NCCL: reduce-scatter backward
+
+
+def test_gather_sequence_nccl():
+    failures = [f for r in run_distributed(worker_gather_sequence, WORLD, backend="nccl") for f in r]
+    assert not failures, "\n".join(failures)
