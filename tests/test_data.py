@@ -51,7 +51,9 @@ def test_local_files_tokenize_and_pack(tmp_path: Path, fmt: str) -> None:
     total = sum(len(t.encode()) + 1 for t in texts)
     assert len(ds) == total // 64
     batch = collate([ds[0], ds[1]])
-    assert batch["input_ids"].shape == (2, 64) and torch.equal(batch["input_ids"], batch["labels"])
+    assert batch["input_ids"].shape == (2, 64)
+    starts = batch["position_ids"] == 0  # documents packing (the default): labels stay inside documents
+    assert torch.equal(batch["labels"], batch["input_ids"].masked_fill(starts, -100))
     assert bytes(batch["input_ids"][0, :8].tolist()) == texts[0].encode()[:8]
     assert detect_format([str(path)]) in ("json", "text", "parquet")
 
@@ -108,3 +110,34 @@ def test_answer_accuracy_counts() -> None:
     labels = torch.tensor([[-100, 5, 6], [-100, 7, 8]])
     pred = torch.tensor([[0, 5, 6], [0, 7, 0]])
     assert answer_accuracy(pred, labels) == (3, 4, 1, 2)
+
+
+def test_document_packing_keeps_boundaries() -> None:
+    from lightseq_hf.training.data import collate, document_labels, pack_documents
+
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9, 10, 11]]
+    blocks, positions, tail, tail_pos = pack_documents(docs, 5, eos_id=0)
+    assert blocks == [[1, 2, 3, 0, 4], [5, 0, 6, 7, 8]]
+    # every document restarts at 0; the cut document [4, 5, 0] continues in block 2 as its own
+    assert positions == [[0, 1, 2, 3, 0], [0, 1, 0, 1, 2]]
+    assert tail == [9, 10, 11, 0] and tail_pos == [0, 1, 2, 3]
+    labels = [document_labels(b, p) for b, p in zip(blocks, positions)]
+    assert labels == [[-100, 2, 3, 0, -100], [-100, 0, -100, 7, 8]]
+    batch = collate([{"input_ids": b, "labels": lab, "position_ids": p}
+                     for b, lab, p in zip(blocks, labels, positions)])
+    assert batch["position_ids"].tolist() == positions and batch["labels"].shape == (2, 5)
+
+
+def test_document_packing_from_files(tmp_path: Path) -> None:
+    from datasets import Dataset
+
+    from lightseq_hf.training.data import ByteTokenizer, tokenize_and_pack
+
+    ds = Dataset.from_dict({"text": ["abc", "de", "fghijk"]})
+    packed = tokenize_and_pack(ds, ByteTokenizer(), 5, packing="documents")
+    first = packed[0]
+    assert first["position_ids"].tolist() == [0, 1, 2, 3, 0]  # "abc" + EOS, then "de" starts
+    assert first["labels"].tolist()[0] == -100 and first["labels"].tolist()[4] == -100
+    concat = tokenize_and_pack(ds, ByteTokenizer(), 5, packing="concat")
+    assert "position_ids" not in concat.column_names
+    assert concat[0]["labels"].tolist() == concat[0]["input_ids"].tolist()

@@ -106,6 +106,8 @@ class DataConfig(_Section):
     split: str = "train"
     text_field: str = "text"
     add_eos: StrictBool = True
+    # documents: position ids restart per document, attention and labels stay inside it; concat: one sequence
+    packing: Literal["documents", "concat"] = "documents"
     max_documents: PosInt | None = None
     num_proc: PosInt | None = None
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)

@@ -103,26 +103,63 @@ def pack_token_lists(docs: Iterable[Sequence[int]], context_length: int, eos_id:
 
     Returns the full blocks and the leftover tokens (pass them back as ``carry`` to continue).
     """
-    buf = list(carry or [])
-    blocks = []
+    blocks, _, tail, _ = pack_documents(docs, context_length, eos_id, carry)
+    return blocks, tail
+
+
+def pack_documents(docs: Iterable[Sequence[int]], context_length: int, eos_id: int | None = None,
+                   carry: list[int] | None = None, carry_positions: list[int] | None = None
+                   ) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
+    """:func:`pack_token_lists` that also returns each block's position ids, restarting at every document.
+
+    A document cut by a block boundary continues in the next block as a new document (positions from
+    0). Returns (blocks, their position ids, leftover tokens, leftover positions).
+    """
+    buf, pos = list(carry or []), list(carry_positions or range(len(carry or [])))
+    blocks, positions = [], []
     for doc in docs:
-        buf.extend(doc)
-        if eos_id is not None:
-            buf.append(eos_id)
+        piece = list(doc) + ([eos_id] if eos_id is not None else [])
+        buf.extend(piece)
+        pos.extend(range(len(piece)))
         while len(buf) >= context_length:
             blocks.append(buf[:context_length])
-            buf = buf[context_length:]
-    return blocks, buf
+            head = pos[:context_length]
+            positions.append(head)
+            buf, pos = buf[context_length:], pos[context_length:]
+            if pos and pos[0] != 0:  # the rest of a cut document starts the next block as its own
+                end, offset = _first_restart(pos), pos[0]
+                pos[:end] = [i - offset for i in pos[:end]]
+    return blocks, positions, buf, pos
+
+
+def _first_restart(pos: list[int]) -> int:
+    """Index of the first position 0 after the start (the next document), or len(pos)."""
+    return next((i for i in range(1, len(pos)) if pos[i] == 0), len(pos))
+
+
+def document_labels(block: Sequence[int], positions: Sequence[int]) -> list[int]:
+    """Labels of a packed block: the tokens, with -100 at each document's first token.
+
+    The model shifts labels (``label[t] = token[t + 1]``), so a document's last token then predicts
+    nothing instead of the next document's first token: the loss stays inside documents.
+    """
+    return [-100 if p == 0 else t for t, p in zip(block, positions)]
 
 
 def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: str = "text",
                       add_eos: bool = True, num_proc: int | None = None,
-                      batch_docs: int = 1000) -> Any:
+                      batch_docs: int = 1000, packing: str = "documents") -> Any:
     """Tokenize a `datasets` column and pack it into ``context_length`` blocks with labels.
 
     Packing runs per map batch of ``batch_docs`` documents; each batch's tail shorter than a
-    block is dropped (as in Transformers' run_clm). Labels equal input_ids (HF convention).
+    block is dropped (as in Transformers' run_clm). ``packing="documents"`` keeps the document
+    boundaries: each block carries ``position_ids`` restarting at every document (the patch turns
+    them into segments, so attention never crosses a document) and labels that never predict across
+    one (:func:`document_labels`). ``packing="concat"``: one causal sequence per block, labels equal
+    input_ids (HF's run_clm).
     """
+    if packing not in ("documents", "concat"):
+        raise ValueError(f"packing must be 'documents' or 'concat'; got {packing!r}")
     eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
 
     def tokenize(batch: dict) -> dict:
@@ -131,8 +168,11 @@ def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: 
         return {"ids": enc["input_ids"]}
 
     def pack(batch: dict) -> dict:
-        blocks, _ = pack_token_lists(batch["ids"], context_length, eos)
-        return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+        blocks, positions, _, _ = pack_documents(batch["ids"], context_length, eos)
+        if packing == "concat":
+            return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
+        return {"input_ids": blocks, "position_ids": positions,
+                "labels": [document_labels(b, p) for b, p in zip(blocks, positions)]}
 
     tok = ds.map(tokenize, batched=True, remove_columns=ds.column_names, num_proc=num_proc,
                  desc="tokenizing")
@@ -155,7 +195,7 @@ def build_text_dataset(cfg: Any, tokenizer: Any, main_process_first: Callable | 
     with ctx:
         raw = load_raw_dataset(cfg.data)
         return tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
-                                 cfg.data.add_eos, cfg.data.num_proc)
+                                 cfg.data.add_eos, cfg.data.num_proc, packing=cfg.data.packing)
 
 
 class ParallelSampler(Sampler[int]):
@@ -199,11 +239,14 @@ class ParallelSampler(Sampler[int]):
 
 
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack equal-length samples into ``input_ids`` and ``labels`` of shape ``(B, N)``."""
+    """Stack equal-length samples into ``input_ids``, ``labels`` (and ``position_ids``): ``(B, N)`` each."""
     ids = torch.stack([torch.as_tensor(s["input_ids"]) for s in samples])
     labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]) if "labels" in samples[0] \
         else ids.clone()
-    return {"input_ids": ids.long(), "labels": labels.long()}
+    out = {"input_ids": ids.long(), "labels": labels.long()}
+    if "position_ids" in samples[0]:
+        out["position_ids"] = torch.stack([torch.as_tensor(s["position_ids"]) for s in samples]).long()
+    return out
 
 
 def build_train_dataset(cfg: Any, tokenizer: Any = None, main_process_first: Callable | None = None,

@@ -539,8 +539,10 @@ def train(cfg: FinetuneConfig) -> dict:
                     sync = i == len(batches) - 1
                     ctx = contextlib.nullcontext() if sync else accelerator.no_sync(model)
                     with ctx:
+                        extra = {"position_ids": batch["position_ids"].to(device)} \
+                            if "position_ids" in batch else {}  # packed documents (data.packing)
                         out = model(input_ids=batch["input_ids"].to(device),
-                                    labels=batch["labels"].to(device))
+                                    labels=batch["labels"].to(device), **extra)
                         accelerator.backward(out.loss / len(batches))
                     loss_sum += out.loss.detach().float()
                 if fault("loss", rank, step):
