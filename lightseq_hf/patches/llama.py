@@ -537,7 +537,6 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     """Check a batch of full rows and cut this rank's slice of it (every rank of the group must call)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
-    _check_padding_labels(attention_mask, shifted_labels)
     full = input_ids if input_ids is not None else inputs_embeds
     batch, seq = full.shape[:2]
     device = full.device
@@ -545,6 +544,7 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     rank, world = group_rank_and_size(group)
     shard = shard_for(seq, rank, world)
     segments = _segments_of(attention_mask, position_ids, kwargs, batch, seq, shard.padded_len)
+    _check_padding_labels(attention_mask, shifted_labels)
     if world > 1:
         _check_same_batch(group, batch, seq, input_ids, shifted_labels, device, segments)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
