@@ -75,3 +75,23 @@ def test_config_error_exits_before_training(tmp_path: Path) -> None:
 def test_trainer_example_runs(tmp_path: Path) -> None:
     out = _run(["examples/trainer_example.py", "--max-steps", "2", "--output-dir", str(tmp_path / "t")])
     assert "trainer_example: 2 steps" in out
+
+
+def test_packed_documents_sequence_parallel_matches_one_process(tmp_path: Path) -> None:
+    """configs/tiny-text.yaml (text files, documents packed with their boundaries, the default): the
+    per-step losses of 2 sequence-parallel processes equal one process's; packing without boundaries
+    (``concat``) trains on different targets, so the boundaries really reached the model."""
+    common = ["configs/tiny-text.yaml", "training.device=cpu", "training.max_steps=3", "training.epochs=1",
+              "context_length=1024", "model.config.max_position_embeddings=1024", "saving.final=false",
+              "logging.progress_bar=false", "logging.plot=false"]
+    _run(["scripts/finetune.py", *common, f"output_dir={tmp_path / 'sp'}"])
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    for name, extra in (("one", []), ("concat", ["data.packing=concat"])):
+        proc = subprocess.run([sys.executable, "scripts/finetune.py", *common, "sp_size=1",
+                               f"output_dir={tmp_path / name}", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    sp, one, concat = (_train_losses(tmp_path / n) for n in ("sp", "one", "concat"))
+    assert sorted(sp) == sorted(one) == [1, 2, 3]
+    assert all(sp[s] == pytest.approx(one[s], rel=1e-5) for s in sp), (sp, one)
+    assert abs(concat[1] - one[1]) > 1e-3 * one[1], (concat, one)
