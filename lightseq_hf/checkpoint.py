@@ -128,28 +128,57 @@ def restore_checkpointing(model: torch.nn.Module) -> None:
             module._gradient_checkpointing_func = as_hf(func)
 
 
-def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool = False) -> int:
+def _checkpoints_itself(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs its own forward through the checkpoint function (a decoder layer),
+    rather than only carrying it (Transformers sets it on the decoder stack too)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # older Transformers: the stack module is the one with a `layers` list
+        return not isinstance(getattr(module, "layers", None), torch.nn.ModuleList)
+    return isinstance(module, GradientCheckpointingLayer)
+
+
+def check_offload_layers(offload: bool | int) -> int | None:
+    """Layers to offload for an ``offload_checkpoints`` value: ``True`` every one, ``False`` none
+    (None), ``N`` the first N."""
+    if offload is True:
+        return 2**31
+    if offload is False or offload is None:
+        return None
+    if isinstance(offload, int) and not isinstance(offload, bool) and offload >= 0:
+        return offload
+    raise ValueError(f"offload_checkpoints={offload!r}: use True (every layer), False, or a number of layers "
+                     "N >= 0 (the first N decoder layers keep their checkpoints in host memory).")
+
+
+def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool | int = False) -> int:
     """Make every checkpointed module of ``model`` use ``mode`` ("remat" or "hf"); return how many.
 
     Modules without gradient checkpointing enabled are left alone: enabling it stays the user's
     choice (``gradient_checkpointing_enable()``, ``activation_checkpointing_enable()`` or
     ``TrainingArguments(gradient_checkpointing=True)``). ``offload`` (or a checkpoint function
     Transformers built with ``offload=True``) keeps what the layers save in host memory through one
-    :class:`~lightseq_hf.offload.CheckpointOffloader` per model (``model.lightseq_offloader``).
+    :class:`~lightseq_hf.offload.CheckpointOffloader` per model (``model.lightseq_offloader``);
+    an integer ``N`` offloads the first N checkpointed layers only (the last ones, which backward
+    needs first, keep theirs on the device).
     """
     if mode not in CHECKPOINTING_MODES:
         raise ValueError(
             f"checkpointing={mode!r} is not supported; choose 'remat' (rematerialization-aware, the "
             "default) or 'hf' (Hugging Face's layer checkpointing, for comparison)."
         )
-    count = 0
+    layers_to_offload = check_offload_layers(offload)
+    count = layer_index = 0
     for module in model.modules():
         func = getattr(module, "_gradient_checkpointing_func", None)
         if func is None:
             continue
         base = as_hf(func)
         parts = hf_checkpoint_parts(base)
-        if offload or (parts is not None and parts[1]):
+        wanted = ((parts is not None and parts[1])  # Transformers' offload=True: every layer
+                  or (layers_to_offload is not None and layer_index < layers_to_offload))
+        layer_index += _checkpoints_itself(module)
+        if wanted:
             if parts is None:
                 raise ValueError(
                     f"checkpoint offload needs the checkpoint function Transformers builds; "

@@ -135,3 +135,25 @@ class HostPeak:
     @property
     def increase_bytes(self) -> int:
         return max(0, self.peak_bytes - self.start_bytes)
+
+
+def memory_budget(device: torch.device, processes_per_host: int, *, gpu_share: float = 0.95,
+                  host_share: float = 0.9) -> tuple[float, float]:
+    """``(device bytes, host bytes)`` one rank may plan for: ``gpu_share`` of the device's total memory
+    (the planner's error and the allocator's fragmentation need the rest) and ``host_share`` of the
+    host memory available now, split over the processes of this host."""
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device).total_memory * gpu_share
+    else:
+        gpu = float("inf")  # a CPU run: device memory is host memory, counted there
+    available = (_meminfo_kib("MemAvailable") or 0) * 1024
+    return gpu, available * host_share / max(1, processes_per_host)
+
+
+def _meminfo_kib(field: str) -> int | None:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None

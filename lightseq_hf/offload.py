@@ -14,6 +14,12 @@ checkpointing holds in its cache. :class:`CheckpointOffloader` moves both to hos
   the selective-checkpoint cache, and starts copying group ``k - 1`` on the side stream, so the
   next layer's tensors arrive while this layer recomputes and differentiates.
 
+Host buffers come from a :class:`HostBufferPool`: exact sizes, pinned once with
+``cudaHostRegister`` and reused every step. (torch's pinned allocator rounds each request up to a
+power of two: a 2.25 GiB layer input would hold 4 GiB of host memory.) Every host copy of a device
+runs on one side stream, so a buffer released after its copy back can be reused at once: the next
+copy into it is queued behind.
+
 On a CPU device the "host copy" is a plain copy (no streams): the mechanism, and its exactness,
 can be tested without a GPU.
 """
@@ -21,6 +27,7 @@ can be tested without a GPU.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -46,6 +53,59 @@ class OffloadStats:
     fetch_order: list = field(default_factory=list)  # group ids in the order backward first used them
     host_bytes_peak: int = 0
     host_bytes_live: int = 0
+    host_bytes_reserved: int = 0  # the pool's buffers, in use or free (pinned for the process)
+    host_buffers_allocated: int = 0  # buffers the pool created (steady state: none after the first step)
+
+
+class HostBufferPool:
+    """Host buffers of exact byte sizes, reused: ``take`` a free one of that size or make one,
+    ``give_back`` it when its tensor is no longer needed. With ``pin``, each new buffer is page-locked
+    with ``cudaHostRegister`` (asynchronous copies, no power-of-two rounding); ``release`` unpins and
+    frees the free ones."""
+
+    def __init__(self, stats: OffloadStats, *, pin: bool) -> None:
+        self.stats = stats
+        self.pin = pin
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._pinned: set[int] = set()
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of ``shape``/``dtype`` backed by a pool buffer (contents undefined)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        free = self._free.get(nbytes)
+        buffer = free.pop() if free else self._new(nbytes)
+        return buffer.view(dtype).view(shape)
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        buffer = tensor.view(-1).view(torch.uint8)
+        self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    def release(self) -> int:
+        """Free the buffers not in use (unpinned first); returns the bytes freed."""
+        freed = 0
+        for buffers in self._free.values():
+            for buffer in buffers:
+                if buffer.data_ptr() in self._pinned:
+                    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+                    self._pinned.discard(buffer.data_ptr())
+                freed += buffer.numel()
+        self._free.clear()
+        self.stats.host_bytes_reserved -= freed
+        return freed
+
+    def _new(self, nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self.pin and nbytes:
+            status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+            if int(getattr(status, "value", status)) != 0:
+                raise RuntimeError(
+                    f"lightseq_hf: cannot page-lock {nbytes / 2**30:.2f} GiB of host memory for checkpoint "
+                    f"offload (cudaHostRegister error {status}); the host is out of lockable memory. Offload "
+                    "fewer layers (offload_checkpoints=N) or raise the memlock limit (ulimit -l).")
+            self._pinned.add(buffer.data_ptr())
+        self.stats.host_bytes_reserved += nbytes
+        self.stats.host_buffers_allocated += 1
+        return buffer
 
 
 class _Slot:
@@ -67,6 +127,9 @@ class _Slot:
     def __del__(self) -> None:
         if self.host is not None and self.offloader is not None:
             self.offloader.stats.host_bytes_live -= self.host.numel() * self.host.element_size()
+            pool = self.offloader.pool(self.device)
+            if pool is not None:
+                pool.give_back(self.host)
 
 
 class _Group:
@@ -95,7 +158,22 @@ class CheckpointOffloader:
         self._groups: weakref.WeakValueDictionary[int, _Group] = weakref.WeakValueDictionary()
         self._next_index = 0
         self._streams: dict[torch.device, Any] = {}
+        self._pools: dict[str, HostBufferPool] = {}
         self._warned = False
+
+    def pool(self, device: torch.device | None) -> HostBufferPool | None:
+        """The host buffer pool for tensors of ``device`` (pinned for CUDA; None for host tensors)."""
+        if device is None:
+            return None
+        key = device.type
+        if key not in self._pools:
+            self._pools[key] = HostBufferPool(self.stats, pin=device.type == "cuda")
+        return self._pools[key]
+
+    def release_host_memory(self) -> int:
+        """Free (and unpin) the pooled host buffers no step is using; returns the bytes freed. The
+        next step allocates them again: call it when training ends, not between steps."""
+        return sum(pool.release() for pool in self._pools.values())
 
     # ------------------------------------------------------------------ forward
 
@@ -170,14 +248,15 @@ class CheckpointOffloader:
         if tensor.device.type == "cuda":
             side = self._stream(tensor.device)
             side.wait_stream(torch.cuda.current_stream(tensor.device))
+            host = self.pool(tensor.device).take(tensor.shape, tensor.dtype)
             with torch.cuda.stream(side):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 host.copy_(tensor, non_blocking=True)
                 slot.d2h_done = torch.cuda.Event()
                 slot.d2h_done.record(side)
             tensor.record_stream(side)  # not reused before the copy has read it
         else:
-            host = tensor.clone()
+            host = self.pool(tensor.device).take(tensor.shape, tensor.dtype)
+            host.copy_(tensor)
         slot.host = host
         group.slots.append(weakref.ref(slot))
         size = host.numel() * host.element_size()
@@ -245,7 +324,7 @@ class CheckpointOffloader:
                 tensor.record_stream(current)
                 slot.h2d_done = None
         else:
-            tensor = host  # on a CPU device the host copy is the tensor
+            tensor = host.clone()  # the "device" copy (the host buffer goes back to the pool)
         slot.device_tensor = tensor
         return tensor
 

@@ -69,7 +69,7 @@ class PlanOptions:
     master_dtype: str = "float32"  # weights, gradients and AdamW state
     compute_dtype: str = "bfloat16"  # activations (mixed precision); float32 without it
     checkpointing: str = "remat"  # remat | hf | none
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | int | str = False  # True: every layer; N: the first N; "auto": as needed
     tiled_mlp: int | None = None
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: master weights, gradients, optimizer on the host
     optimizer_state: bool = True  # AdamW moments allocated (every step after the first)
@@ -100,6 +100,8 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
     """The predicted peak of one training step (see the module docstring)."""
     if opts.context % opts.sp_size:
         raise ValueError(f"context {opts.context} is not divisible by sp_size {opts.sp_size}")
+    if opts.offload_checkpoints == "auto":
+        raise ValueError("offload_checkpoints='auto': resolve the number of layers with layers_to_offload()")
     m, c = _BYTES[opts.master_dtype], _BYTES[opts.compute_dtype]
     mixed = c != m
     n = opts.batch * opts.context // opts.sp_size  # tokens on this rank
@@ -134,9 +136,11 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
     else:
         kept = sum(_layer_saved(shape, n, c, opts.tiled_mlp)) + n * h * c
     kept_all = shape.layers * kept
-    if opts.offload_checkpoints and opts.checkpointing != "none":
-        host["offloaded_checkpoints"] = kept_all
-        kept_all = 2 * kept  # the layer in backward and the one prefetched
+    offloaded = offloaded_layers(shape, opts)
+    if offloaded:
+        host["offloaded_checkpoints"] = offloaded * kept
+        # the layers left on the device, and the offloaded one in backward with the one prefetched
+        kept_all = (shape.layers - offloaded + min(offloaded, 2)) * kept
 
     # -- one layer's recompute + backward
     working = _layer_working_set(shape, n, c, opts)
@@ -182,6 +186,26 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
                       gpu={k: int(v) for k, v in parts.items()}, host={k: int(v) for k, v in host.items()})
 
 
+def offloaded_layers(shape: ModelShape, opts: PlanOptions) -> int:
+    """How many layers keep their checkpoints in host memory."""
+    if opts.checkpointing == "none" or opts.offload_checkpoints is False:
+        return 0
+    if opts.offload_checkpoints is True:
+        return shape.layers
+    return min(int(opts.offload_checkpoints), shape.layers)
+
+
+def layers_to_offload(shape: ModelShape, opts: PlanOptions, gpu_bytes: float,
+                      host_bytes: float | None = None) -> int | None:
+    """The fewest layers whose checkpoints must go to host memory for the step to fit ``gpu_bytes``
+    (0: none need to), or None when no number fits both budgets."""
+    for n in range(shape.layers + 1):
+        plan = plan_memory(shape, _with(opts, opts.context, offload_checkpoints=n))
+        if plan.peak_gpu <= gpu_bytes:
+            return n if host_bytes is None or plan.peak_host <= host_bytes else None
+    return None
+
+
 def _layer_saved(shape: ModelShape, n: int, c: int, tile: int | None) -> tuple[float, float, float]:
     """What autograd keeps for one decoder layer's backward (after its recompute): (norms, attention,
     MLP) bytes.
@@ -218,7 +242,13 @@ def _layer_working_set(shape: ModelShape, n: int, c: int, opts: PlanOptions) -> 
         mlp_transient = 5 * rows * shape.intermediate * c + 3 * h * shape.intermediate * (4 + c)
     attn_transient = n * (q_width + 2 * kv_width) * 4
     if opts.sp_size > 1:
+        from .parallel.ops import backward_chunks
+
         attn_transient += 2 * n * 2 * kv_width * c + n * 2 * kv_width * 4
+        chunks = backward_chunks(opts.batch * n * q_width, shape.kv_heads)
+        if chunks > 1:  # one head group at a time: its slices' copies, and the whole gradients
+            attn_transient = ((attn_transient + n * (3 * q_width + 2 * kv_width) * c) / chunks
+                              + n * (q_width + 2 * kv_width) * c)
     if opts.attention_kernel == "reference":
         block = min(512, n)
         attn_transient += 4 * opts.batch * shape.heads * block * block * 4  # one block pair's scores etc.
@@ -232,7 +262,12 @@ def longest_context(shape: ModelShape, opts: PlanOptions, gpu_bytes: float, host
                     step: int = 8192) -> int:
     """The longest context (a multiple of ``step`` and of the sp size) whose predicted peaks fit."""
     unit = step * opts.sp_size // math.gcd(step, opts.sp_size)
-    fits = lambda k: _fits(plan_memory(shape, _with(opts, k * unit)), gpu_bytes, host_bytes)  # noqa: E731
+    if opts.offload_checkpoints == "auto":  # as many layers offloaded as each length needs
+        def fits(k: int) -> bool:
+            return layers_to_offload(shape, _with(opts, k * unit), gpu_bytes, host_bytes) is not None
+    else:
+        def fits(k: int) -> bool:
+            return _fits(plan_memory(shape, _with(opts, k * unit)), gpu_bytes, host_bytes)
     if not fits(1):
         return 0
     hi = 1
@@ -245,10 +280,10 @@ def longest_context(shape: ModelShape, opts: PlanOptions, gpu_bytes: float, host
     return lo * unit
 
 
-def _with(opts: PlanOptions, context: int) -> PlanOptions:
+def _with(opts: PlanOptions, context: int, **changes: Any) -> PlanOptions:
     from dataclasses import replace
 
-    return replace(opts, context=context)
+    return replace(opts, context=context, **changes)
 
 
 def _fits(plan: MemoryPlan, gpu_bytes: float, host_bytes: float | None) -> bool:

@@ -130,10 +130,52 @@ def parse_variant(variant: str) -> tuple[str, set]:
     if base not in ("remat", "hf", "torch_cp", "single"):
         raise SystemExit(f"unknown variant {base!r}: remat, hf, torch_cp or single "
                          "(+offload, +tiled, +cpuadam)")
-    unknown = set(options) - {"offload", "tiled", "cpuadam"}
+    unknown = {o for o in options if not o.startswith("offload")} - {"tiled", "cpuadam"}
+    unknown |= {o for o in options if o.startswith("offload") and o[7:] not in ("", "auto")
+                and not o[7:].isdigit()}
     if unknown or ("tiled" in options and base not in ("remat", "hf")):
-        raise SystemExit(f"variant {variant!r}: options are offload, tiled (ours only) and cpuadam")
+        raise SystemExit(f"variant {variant!r}: options are offload (offloadN: the first N layers, "
+                         "offloadauto: as the planner needs; ours only), tiled (ours only) and cpuadam")
+    if base not in ("remat", "hf") and any(o.startswith("offload") and o != "offload" for o in options):
+        raise SystemExit(f"variant {variant!r}: offloadN/offloadauto are ours only")
     return base, set(options)
+
+
+def offload_option(options: set, shape, n: int, world: int, device: torch.device):
+    """What ``+offload`` / ``+offloadN`` / ``+offloadauto`` ask of ``patch_llama(offload_checkpoints=)``
+    (auto: the planner's fewest layers for this device and host, as ``training.offload_checkpoints:
+    auto`` decides in finetune.py)."""
+    spec = next((o[7:] for o in options if o.startswith("offload")), None)
+    if spec is None:
+        return False
+    if spec == "":
+        return True
+    if spec.isdigit():
+        return int(spec)
+    from lightseq_hf.memory import memory_budget
+    from lightseq_hf.planner import layers_to_offload
+
+    model_shape, opts = plan_inputs(options, shape, n, world)
+    gpu, host = memory_budget(device, world)
+    chosen = layers_to_offload(model_shape, opts, gpu, host)
+    return model_shape.layers if chosen is None else chosen
+
+
+def plan_inputs(options: set, shape, n: int, world: int, offload: bool | int = False, tile: int = 8192):
+    """The planner's (ModelShape, PlanOptions) for our variant's options."""
+    from lightseq_hf.planner import ModelShape, PlanOptions
+
+    hidden, inter, layers, heads, kv_heads, vocab = shape
+    model_shape = ModelShape(hidden=hidden, intermediate=inter, layers=layers, heads=heads, kv_heads=kv_heads,
+                             head_dim=hidden // heads, vocab=vocab)
+    opts = PlanOptions(context=n, sp_size=world, world=world, sharding="fsdp" if world > 1 else "replicated",
+                       tiled_mlp=tile if "tiled" in options else None, cpu_offload="cpuadam" in options,
+                       offload_checkpoints=offload)
+    return model_shape, opts
+
+
+#: the offload_checkpoints value the last variant ran with (recorded in its row)
+CHOSEN_OFFLOAD: dict = {}
 
 
 def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False, tile=8192):
@@ -149,7 +191,8 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world, prealloc
     if base in ("remat", "hf"):
         local_kernel = backend if device.type == "cuda" else "auto"
         lightseq_hf.patch_llama(model, checkpointing=base, backend=local_kernel,
-                                offload_checkpoints="offload" in options,
+                                offload_checkpoints=CHOSEN_OFFLOAD.setdefault(
+                                    "value", offload_option(options, shape, n, world, device)),
                                 tiled_mlp=tile if "tiled" in options else None)
         model.gradient_checkpointing_enable()
     else:
@@ -383,6 +426,7 @@ def record(row, rows, rank, meta, path, world) -> None:
 def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=False) -> dict:
     """One variant at one length: a results row (an ``error`` entry when the step failed)."""
     row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
+    CHOSEN_OFFLOAD.clear()
     try:
         result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world,
                              preallocate=search, tile=args.tile)
@@ -395,6 +439,16 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
                    mfu=flops / sec / world / PEAK_BF16)
         if peak_measured:
             row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
+        base, options = parse_variant(variant)
+        if base in ("remat", "hf") and world > 1:  # the planner's prediction beside the measured peaks
+            from lightseq_hf.planner import plan_memory
+
+            offload = CHOSEN_OFFLOAD.get("value", False)
+            model_shape, opts = plan_inputs(options, shape, n, world, offload, args.tile)
+            plan = plan_memory(model_shape, opts.__class__(**{**opts.__dict__, "checkpointing": base,
+                                                              "optimizer_state": True}))
+            row.update(offload_layers=offload, planned_gpu_gib=plan.peak_gpu / 2**30,
+                       planned_host_gib=plan.peak_host / 2**30)
     except Exception as err:  # noqa: BLE001 - recorded in the results
         oom = "out of memory" in str(err)
         row["error"] = "out of memory" if oom else traceback.format_exc(limit=4)

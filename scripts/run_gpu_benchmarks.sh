@@ -13,7 +13,8 @@
 #   search       both searches
 #   maxctx-*     issue 14, into OUT_DIR/maxctx-<device>-x<P>-<date>.json (each call appends; <= 9.5 min):
 #                maxctx-128k (step time at 128K: default, +offload, +tiled, +offload+tiled),
-#                maxctx-ours (remat+offload+tiled), maxctx-ours-cpuadam (+ FSDP2 CPU offload),
+#                maxctx-ours (remat+offloadauto+tiled: the planner's fewest offloaded layers for this
+#                GPU and host), maxctx-ours-cpuadam (+ FSDP2 CPU offload),
 #                maxctx-cp (torch CP at its best: chunked loss + transformers' offload), maxctx-cp-plain
 #                (chunked loss, HF checkpointing without offload); SEQS overrides a search's ladder
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
@@ -79,7 +80,7 @@ maxctx() { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 570 "$gpus" --
 case $part in
   maxctx-128k) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 570 "$gpus" --maxctx --steps 2 \
     --seqs 131072 --variants remat,remat+offload,remat+tiled,remat+offload+tiled --out "$out" ;;
-  maxctx-ours) maxctx --seqs "${SEQS:-393216,524288}" --variants remat+offload+tiled ;;
+  maxctx-ours) maxctx --seqs "${SEQS:-557056}" --variants "${VARIANTS:-remat+offloadauto+tiled}" ;;
   maxctx-ours-cpuadam) maxctx --seqs "${SEQS:-524288,655360}" --variants remat+offload+tiled+cpuadam ;;
   maxctx-cp) maxctx --seqs "${SEQS:-524288,655360}" --variants torch_cp+offload ;;
   maxctx-cp-plain) maxctx --seqs "${SEQS:-294912,327680}" --variants torch_cp ;;

@@ -184,9 +184,9 @@ def _average(grads, world):
     return grads
 
 
-#: (checkpointing, offload through, tiled_mlp)
+#: (checkpointing, offload through, tiled_mlp): "patch" offloads every layer, an int the first N
 OPTIONS = [("remat", "transformers", None), ("remat", None, 5), ("remat", "patch", 5),
-           ("hf", "transformers", 5)]
+           ("hf", "transformers", 5), ("remat", 2, None)]
 
 
 def worker_memory_options(rank, world):
@@ -202,7 +202,11 @@ def worker_memory_options(rank, world):
     for mode, offload, tile in OPTIONS:
         tag = f"checkpointing {mode} offload {offload} tiled_mlp {tile}"
         model = make_model("llama", layers=LAYERS)
-        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=offload == "patch",
+        partial = offload if isinstance(offload, int) else None
+        # the partial-offload case also runs the attention backward one key/value head at a time
+        ops.BACKWARD_CHUNK_BYTES = 1 if partial else 2**30
+        chunks_before = dict(ops.backward_head_chunks)
+        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=partial or offload == "patch",
                                 tiled_mlp=tile)
         _enable(model, **({"offload": True} if offload == "transformers" else {}))
         if offload:
@@ -225,7 +229,27 @@ def worker_memory_options(rank, world):
         local = -(-37 // world)
         if seen[0] != (min(tile, 2 * local) if tile else 2 * local):
             failures.append(f"{tag}: an MLP projection saw {seen[0]} token rows")
-        if offload:
+        chunks = {c: n - chunks_before.get(c, 0) for c, n in ops.backward_head_chunks.items()}
+        want_chunks = ({2: LAYERS} if partial else {1: LAYERS}) if world > 1 else {}
+        if {c: n for c, n in chunks.items() if n} != want_chunks:
+            failures.append(f"{tag}: backward head chunks {chunks}")
+        if partial:  # the first N layers offloaded (input, out, lse), the rest kept on the device
+            stats = model.lightseq_offloader.stats
+            if (stats.offloaded_tensors, stats.cache_tensors) != (partial * 3, partial * 2):
+                failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache "
+                                f"{stats.cache_tensors}")
+            if stats.fetch_order != list(range(partial - 1, -1, -1)):
+                failures.append(f"{tag}: fetch order {stats.fetch_order}")
+            if stats.host_bytes_live != 0 or stats.host_buffers_allocated != partial * 3:
+                failures.append(f"{tag}: host buffers live {stats.host_bytes_live}, "
+                                f"allocated {stats.host_buffers_allocated}")
+            loss_again, grads_again, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+            if stats.host_buffers_allocated != partial * 3:  # the second step reuses the pool
+                failures.append(f"{tag}: second step allocated host buffers "
+                                f"({stats.host_buffers_allocated} in all)")
+            if not torch.equal(loss_again, loss):
+                failures.append(f"{tag}: second step loss {loss_again.item()} vs {loss.item()}")
+        elif offload:
             stats = model.lightseq_offloader.stats
             cache = 2 if mode == "remat" else 0
             if (stats.offloaded_tensors, stats.cache_tensors) != (LAYERS * (1 + cache), LAYERS * cache):
@@ -234,6 +258,7 @@ def worker_memory_options(rank, world):
             if stats.fetch_order != list(range(LAYERS - 1, -1, -1)) or stats.prefetched_groups != LAYERS - 1:
                 failures.append(f"{tag}: fetch order {stats.fetch_order}, prefetched "
                                 f"{stats.prefetched_groups}")
+    ops.BACKWARD_CHUNK_BYTES = 2**30
     lightseq_hf.unpatch_llama()
     return failures
 

@@ -27,6 +27,26 @@ _comms: dict[tuple[str, str], PeerComm] = {}
 call_counts = {"forward": 0, "backward": 0}
 #: local (per-rank) query length -> how many attention forwards saw it (tests prove the split with it).
 local_lengths: collections.Counter = collections.Counter()
+#: head chunks -> how many distributed backwards ran in that many chunks
+backward_head_chunks: collections.Counter = collections.Counter()
+
+#: The distributed backward runs over groups of heads, one after the other, so that its float32
+#: dq/dk/dv accumulators and the ring's key/value buffers and gradient partials exist for one group
+#: at a time: the fewest groups (a divisor of the key/value heads) whose float32 dq is at most this.
+#: Heads are independent, so the result is the same; at 64K tokens per rank and 32 x 128 query
+#: dims (1 GiB) there is one group, as before.
+BACKWARD_CHUNK_BYTES = 2**30
+
+
+def backward_chunks(query_elements: int, kv_heads: int, limit: int | None = None) -> int:
+    """Head groups of the distributed backward for a local query of ``query_elements`` numbers
+    (batch x tokens x heads x head dim) with ``kv_heads`` key/value heads."""
+    limit = BACKWARD_CHUNK_BYTES if limit is None else limit
+    accumulator = query_elements * 4
+    for chunks in range(1, kv_heads + 1):
+        if kv_heads % chunks == 0 and accumulator <= limit * chunks:
+            return chunks
+    return kv_heads
 
 
 def group_handle(group: dist.ProcessGroup | None) -> str:
@@ -140,10 +160,27 @@ def dist_attn_bwd(
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     rank, world, comm = _context(group, q.device)
     plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
-    return dist_attn_backward(
-        dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,
-        schedule=plan, rank=rank, comm=comm, kernel=kernel, ranges=ranges,
-    )
+
+    def backward(dout, q, k, v, out, lse, dlse):
+        return dist_attn_backward(
+            dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,
+            schedule=plan, rank=rank, comm=comm, kernel=kernel, ranges=ranges,
+        )
+
+    chunks = backward_chunks(q.numel(), k.shape[2]) if world > 1 else 1
+    backward_head_chunks[chunks] += 1
+    if chunks == 1:
+        return backward(dout, q, k, v, out, lse, dlse)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    q_per, kv_per = q.shape[2] // chunks, k.shape[2] // chunks
+    for c in range(chunks):
+        qh, kvh = slice(c * q_per, (c + 1) * q_per), slice(c * kv_per, (c + 1) * kv_per)
+        part = backward(*(t[:, :, qh].contiguous() for t in (dout, q)),
+                        *(t[:, :, kvh].contiguous() for t in (k, v)), out[:, :, qh].contiguous(),
+                        lse[:, qh].contiguous(), None if dlse is None else dlse[:, qh].contiguous())
+        for full, piece, heads in zip(grads, part, (qh, kvh, kvh)):
+            full[:, :, heads] = piece
+    return grads
 
 
 @dist_attn_bwd.register_fake

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
+from ..checkpoint import CHECKPOINTING_MODES, check_offload_layers, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
 from ..parallel.api import dist_flash_attn
 from ..parallel.groups import current_groups
@@ -89,7 +89,7 @@ class PatchSettings:
     checkpointing: str
     backend: str
     # memory options (issue 14): checkpoint offload to host memory; MLP tokens per tile (None: untiled)
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | int = False  # True: every layer; N: the first N
     tiled_mlp: int | None = None
 
 
@@ -131,7 +131,7 @@ def patch_llama(
     sp_group: dist.ProcessGroup | None = None,
     checkpointing: str = "remat",
     backend: str = "auto",
-    offload_checkpoints: bool = False,
+    offload_checkpoints: bool | int = False,
     tiled_mlp: int | None = None,
 ) -> torch.nn.Module | None:
     """Make Llama, Mistral, Qwen2 and Qwen3 causal LMs sequence-parallel; return ``model``.
@@ -144,8 +144,10 @@ def patch_llama(
     ``"hf"`` (Hugging Face's layer checkpointing); either only applies once gradient
     checkpointing is enabled. ``backend``: the local attention backend of ``dist_flash_attn``.
     ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
-    by Transformers' ``activation_checkpointing_enable(offload=True)``). ``tiled_mlp``: run the MLPs
-    this many tokens at a time (:mod:`lightseq_hf.patches.tiled_mlp`; None: untiled).
+    by Transformers' ``activation_checkpointing_enable(offload=True)``); ``N``: only the first N
+    layers' (the rest stay on the device: fit the host, use the GPU's spare memory).
+    ``tiled_mlp``: run the MLPs this many tokens at a time (:mod:`lightseq_hf.patches.tiled_mlp`;
+    None: untiled).
     """
     global _settings
     _check_transformers()
@@ -160,7 +162,8 @@ def patch_llama(
         raise ValueError(
             f"sp_group must be a torch.distributed.ProcessGroup or None, got {type(sp_group).__name__}."
         )
-    settings = PatchSettings(sp_group, checkpointing, backend, bool(offload_checkpoints),
+    check_offload_layers(offload_checkpoints)
+    settings = PatchSettings(sp_group, checkpointing, backend, offload_checkpoints,
                              check_tiled_mlp(tiled_mlp))
     target = _unwrap(model) if model is not None else None  # raises on unsupported architectures
     if model is None or _settings is None:
@@ -182,7 +185,7 @@ def patch_model(
     sp_group: dist.ProcessGroup | None = None,
     checkpointing: str = "remat",
     backend: str = "auto",
-    offload_checkpoints: bool = False,
+    offload_checkpoints: bool | int = False,
     tiled_mlp: int | None = None,
 ) -> torch.nn.Module:
     """:func:`patch_llama` for an existing model (required here); returns it."""

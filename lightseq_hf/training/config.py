@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictInt,
     ValidationError,
     model_validator,
 )
@@ -137,7 +138,9 @@ class TrainingConfig(_Section):
     timeout_s: PosFloat = 600.0  # bound on every collective wait (a frozen or missing peer ends the run)
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
     # memory options (issue 14; README "Memory")
-    offload_checkpoints: StrictBool = False  # what checkpointed layers keep -> pinned host memory, prefetched
+    # what checkpointed layers keep -> pinned host memory, prefetched: true (every layer), N (the first N
+    # layers), auto (the fewest layers the planner says the device needs, at launch)
+    offload_checkpoints: StrictBool | Annotated[StrictInt, Field(ge=0)] | Literal["auto"] = False
     tiled_mlp: PosInt | None = None  # MLP tokens per tile (e.g. 8192); null: untiled
     cpu_offload: StrictBool = False  # FSDP2 CPUOffloadPolicy: master weights, grads, AdamW state on host
 

@@ -96,14 +96,40 @@ def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torc
         return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
 
 
-def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any) -> torch.nn.Module:
-    """Patch the model for sequence parallelism and set up checkpointing."""
+def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
+    """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
+    device memory and its share of the host's available memory."""
+    offload = cfg.training.offload_checkpoints
+    if offload != "auto":
+        return offload
+    from accelerate.utils import DistributedType
+
+    from ..memory import memory_budget
+    from .cli import resolve_auto_offload
+
+    world = accelerator.num_processes
+    sharding = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "replicated"
+    if accelerator.device.type != "cuda":
+        return False  # nothing to gain: the "device" is host memory
+    gpu, host = memory_budget(accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    layers = resolve_auto_offload(cfg, world, sharding, gpu, host)
+    if accelerator.is_main_process:
+        print(f"[lightseq] training.offload_checkpoints=auto: {layers} layers' checkpoints in host memory "
+              f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)", flush=True)
+    return layers
+
+
+def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
+                offload: bool | int | None = None) -> torch.nn.Module:
+    """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
+    ``training.offload_checkpoints``)."""
     import lightseq_hf
 
     ckpt = cfg.training.checkpointing
+    offload = cfg.training.offload_checkpoints if offload is None else offload
     model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
                                     checkpointing="remat" if ckpt == "none" else ckpt,
-                                    offload_checkpoints=cfg.training.offload_checkpoints,
+                                    offload_checkpoints=offload,
                                     tiled_mlp=cfg.training.tiled_mlp)
     if ckpt != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -439,7 +465,7 @@ def train(cfg: FinetuneConfig) -> dict:
         raise ConfigError(f"model: transformers could not build the model from model.path/model.config: "
                           f"{msg}") from e
     vocab_size = model.config.vocab_size
-    model = apply_patch(model, cfg, groups.sp_group)
+    model = apply_patch(model, cfg, groups.sp_group, offload_setting(cfg, accelerator))
     n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
     dataset = build_train_dataset(cfg, tokenizer, accelerator.main_process_first, vocab_size=vocab_size)
