@@ -67,7 +67,11 @@ class HostBufferPool:
         self.stats = stats
         self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = {}
+        # every buffer made, by address: they live as long as the pool, so none is freed while still
+        # registered (freed, its pages could come back registered in a new allocation: CUDA refuses those)
+        self._buffers: dict[int, torch.Tensor] = {}
         self._pinned: set[int] = set()
+        weakref.finalize(self, _unregister, self._pinned)
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of ``shape``/``dtype`` backed by a pool buffer (contents undefined)."""
@@ -85,9 +89,11 @@ class HostBufferPool:
         freed = 0
         for buffers in self._free.values():
             for buffer in buffers:
-                if buffer.data_ptr() in self._pinned:
-                    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-                    self._pinned.discard(buffer.data_ptr())
+                address = buffer.data_ptr()
+                if address in self._pinned:
+                    torch.cuda.cudart().cudaHostUnregister(address)
+                    self._pinned.discard(address)
+                self._buffers.pop(address, None)
                 freed += buffer.numel()
         self._free.clear()
         self.stats.host_bytes_reserved -= freed
@@ -97,12 +103,14 @@ class HostBufferPool:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
         if self.pin and nbytes:
             status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
-            if int(getattr(status, "value", status)) != 0:
+            code = int(getattr(status, "value", status))
+            if code != 0:
                 raise RuntimeError(
                     f"lightseq_hf: cannot page-lock {nbytes / 2**30:.2f} GiB of host memory for checkpoint "
-                    f"offload (cudaHostRegister error {status}); the host is out of lockable memory. Offload "
+                    f"offload (cudaHostRegister error {code}); the host is out of lockable memory. Offload "
                     "fewer layers (offload_checkpoints=N) or raise the memlock limit (ulimit -l).")
             self._pinned.add(buffer.data_ptr())
+        self._buffers[buffer.data_ptr()] = buffer
         self.stats.host_bytes_reserved += nbytes
         self.stats.host_buffers_allocated += 1
         return buffer
@@ -327,6 +335,13 @@ class CheckpointOffloader:
             tensor = host.clone()  # the "device" copy (the host buffer goes back to the pool)
         slot.device_tensor = tensor
         return tensor
+
+
+def _unregister(pinned: set[int]) -> None:
+    """Unpin a dead pool's buffers (before their memory is freed: the pool held them until now)."""
+    for address in pinned:
+        torch.cuda.cudart().cudaHostUnregister(address)
+    pinned.clear()
 
 
 def _cache_wrappers(storage: Any) -> list | None:

@@ -247,6 +247,9 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world, prealloc
     dist.all_gather_object(peaks, peak_all if device.type == "cuda" else None)
     hosts = [None] * world
     dist.all_gather_object(hosts, host.peak_bytes / 2**30 if host.available else None)
+    offloader = model.__dict__.get("lightseq_offloader")
+    if offloader is not None:  # unpin this variant's host buffers before the next variant
+        offloader.release_host_memory()
     return statistics.median(t.tolist()), peaks, float(loss), probe.breakdown(), hosts
 
 
