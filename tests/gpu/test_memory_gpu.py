@@ -68,7 +68,8 @@ def worker(rank, world):
                 stats = m.lightseq_offloader.stats
                 layers = LAYERS if offload is True else offload
                 if (stats.offloaded_tensors, stats.cache_tensors) != (3 * layers, 2 * layers):
-                    failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, cache {stats.cache_tensors}")
+                    failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, "
+                                    f"cache {stats.cache_tensors}")
                 if stats.fetch_order != list(range(layers - 1, -1, -1)):
                     failures.append(f"{tag}: fetch order {stats.fetch_order}")
                 allocated = stats.host_buffers_allocated
