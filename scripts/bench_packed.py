@@ -11,7 +11,8 @@ at most 32K, fixed seed; the last document is cut to fit). Rows, forward+backwar
 - ``packed_ours``: ``dist_flash_attn(segments=...)`` (Triton kernel with document masks, the
   segment schedule, one key/value shard per GPU, overlapped transfers);
 - ``packed_compute_only``: the same without transfers, timed on each rank alone: per-rank busy
-  time (``busy_spread`` = slowest / fastest - 1);
+  time (``busy_spread`` = slowest / fastest - 1), with the schedule that ran and its modeled
+  per-rank cost (``scripts/schedule_table.py --model-check`` compares the two);
 - ``unpacked_ours_<backend>``: the same tokens as one causal sequence (what a run that cannot pack
   computes), ours with the cuDNN and Triton kernels; ``torch_cp``: torch context parallel (ring
   attention over SDPA cuDNN, head-tail balancing) on that sequence;
@@ -51,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lightseq_hf  # noqa: E402
 from lightseq_hf.kernels import get_kernel  # noqa: E402
 from lightseq_hf.parallel.comm import set_transfer_mode  # noqa: E402
+from lightseq_hf.parallel.segment_schedule import PAIRS, build_segment_schedule, modeled_loads  # noqa: E402
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range  # noqa: E402
 
 
@@ -375,7 +377,8 @@ def bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, recor
         set_transfer_mode("compute_only")
         alone = timed(fwd_bwd(ours(seg, packed_backend), q, k, v, dout), reps, device, collective=False)
         busy = per_rank(alone, device)
-        record({**base, "impl": "packed_compute_only", "ms": max(busy), "per_rank_ms": busy})
+        record({**base, "impl": "packed_compute_only", "ms": max(busy), "per_rank_ms": busy,
+                **schedule_record(seg, world)})
     except Exception:  # noqa: BLE001
         record({**base, "impl": "packed_compute_only", "error": traceback.format_exc(limit=4)})
     finally:
@@ -388,6 +391,17 @@ def bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, recor
         record({**base, "impl": "padded_docs", "ms": ms, "ms_per_real_token": ms / seq, "derived": True,
                 "how": "documents x the measured time of one unpacked row of this length"})
     return base, reps
+
+
+def schedule_record(seg: Segments, world: int) -> dict:
+    """The segment schedule the packed rows ran (steps of ``[q chunk, kv chunk, row start, row stop,
+    visible pairs]``, ``null`` for idle) and its modeled per-rank cost (tile model, visible pairs): the
+    inputs of ``scripts/schedule_table.py --model-check``."""
+    sched = build_segment_schedule(world, seg, True, None)
+    steps = [[None if t is None else [t.q_owner, t.kv_owner, t.row_start, t.row_stop, t.work] for t in step]
+             for step in sched.steps]
+    return {"schedule": steps, "modeled_cost_per_rank": modeled_loads(sched, seg),
+            "modeled_pairs_per_rank": modeled_loads(sched, seg, cost=PAIRS)}
 
 
 def bench_torch_cp(args, seq, device, base, reps, record) -> None:
@@ -454,12 +468,15 @@ def main(argv=None) -> None:
     write()
 
     for seq in (int(x) for x in args.seqs.split(",")):
+        started = time.perf_counter()
         base, reps = bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, record)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             if not args.no_torch_cp:
                 bench_torch_cp(args, seq, device, base, reps, record)
                 torch.cuda.empty_cache()
+        record({**base, "impl": "wall", "wall_s": time.perf_counter() - started,
+                "how": "seconds this length took, every row (autotuning included)"})
     if rank == 0:
         print(json.dumps(summarize(rows, check), indent=1))
     dist.barrier()

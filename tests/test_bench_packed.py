@@ -68,3 +68,18 @@ def test_smoke_run_on_two_cpu_processes(tmp_path):
     impls = {r["impl"] for r in result["rows"] if "ms" in r}
     assert {"packed_ours", "packed_compute_only", "unpacked_ours_reference", "allgather_varlen",
             "padded_docs"} <= impls, result["rows"]
+    (busy,) = [r for r in result["rows"] if r["impl"] == "packed_compute_only"]
+    assert len(busy["per_rank_ms"]) == 2 and len(busy["modeled_cost_per_rank"]) == 2
+    assert result["summary"]["busy_spread_max"] is not None
+    # the recorded schedule is the one the model check rebuilds from the results
+    spec = importlib.util.spec_from_file_location("schedule_table", ROOT / "scripts" / "schedule_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    from lightseq_hf.parallel.segment_schedule import build_segment_schedule
+    from lightseq_hf.parallel.segments import Segments
+
+    docs = _load().lognormal_docs(256, median=16, sigma=1.0, max_len=64, seed=1000 + 256)
+    recorded, how = table.measured_schedule(result, busy, Segments(256, (docs,)))
+    assert how == "recorded in the results"
+    assert recorded.steps == build_segment_schedule(2, Segments(256, (docs,)), True, None).steps
+    assert any(r["impl"] == "wall" and r["wall_s"] > 0 for r in result["rows"])

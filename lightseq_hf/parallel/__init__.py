@@ -3,7 +3,8 @@
 from .api import dist_flash_attn
 from .groups import ParallelGroups, current_groups, init_sequence_parallel
 from .merge import merge_into
-from .schedule import SCHEDULES, Schedule, SpanTask, Task, build_schedule, build_segment_schedule
+from .schedule import SCHEDULES, Schedule, SpanTask, Task, build_schedule
+from .segment_schedule import TileCost, build_segment_schedule
 from .segments import Segments, segments_from_hf
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "Segments",
     "SpanTask",
     "Task",
+    "TileCost",
     "build_schedule",
     "build_segment_schedule",
     "dist_flash_attn",

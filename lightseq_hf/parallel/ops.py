@@ -18,7 +18,8 @@ import torch.distributed as dist
 from ..kernels import get_kernel
 from .comm import PeerComm
 from .dist_attn import dist_attn_backward, dist_attn_forward
-from .schedule import Schedule, build_schedule, build_segment_schedule
+from .schedule import Schedule, build_schedule
+from .segment_schedule import build_segment_schedule
 from .segments import decode_segments, key_ranges, local_key_range
 
 _comms: dict[tuple[str, str], PeerComm] = {}

@@ -1,0 +1,347 @@
+"""The schedule of packed documents, balanced under a tile cost model (a pure function of the boundaries).
+
+Why tiles: the kernels work in ``tile_m x tile_n`` tiles (Triton ``BLOCK_M x BLOCK_N``; cuDNN/flash alike).
+A tile with one visible pair costs as much as a full one, every kernel launch has a fixed overhead
+(launch latency, the ops around it, the tail of its last wave), and the backward costs about 2.5x the
+forward per tile (its dq and dk/dv passes). Balancing visible pairs exactly (the old objective) left a
+9.8% per-rank busy-time spread on 2 x H200 at 64K: the rank with more tasks and more partial tiles was
+slower. :class:`TileCost` models that; :func:`build_segment_schedule` minimizes the busiest rank's cost
+under it (:data:`PAIRS` reproduces the old objective: 1x1 tiles, no launch cost).
+
+Tiles counted are the ones the ranged kernels visit: query tiles start at a task's first row, key tiles at
+its key chunk's first key (the kernels get exactly those slices), and a query tile visits every key tile
+from the one holding its first row's first key to the one holding its last row's last key
+(``ranged_tiles`` in ``kernels/triton_common.py``); a tile no row of it sees is skipped. With documents
+and windows (no padding between documents) that is exactly the tiles holding a visible pair.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .schedule import Schedule, SpanTask, block_work
+from .segments import Segments, key_ranges, local_key_range
+
+
+@dataclass(frozen=True)
+class TileCost:
+    """Cost of attention blocks, in units of one forward ``tile_m x tile_n`` tile.
+
+    A task (query rows of one query chunk against one key chunk) costs
+    ``(forward + backward) * tiles + launches * launch + row_tile * ceil(rows / tile_m)``, where
+    ``tiles`` are the tiles its kernels visit, ``launches`` = 1 forward + 2 backward (dq, dk/dv), and
+    ``row_tile`` charges each query tile's loads and stores (they cost even where no key is seen).
+    """
+
+    tile_m: int = 128
+    tile_n: int = 128
+    forward: float = 1.0
+    backward: float = 2.5
+    #: per kernel launch (fixed overhead: launch, the small ops around it, the kernel's last wave)
+    launch: float = 32.0
+    launches: int = 3
+    row_tile: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.tile_m < 1 or self.tile_n < 1:
+            raise ValueError(f"tile sizes must be >= 1, got {self.tile_m} x {self.tile_n}.")
+        if min(self.forward, self.backward, self.launch, self.row_tile) < 0 or self.launches < 0:
+            raise ValueError("tile, launch and row costs must be >= 0.")
+        if self.forward + self.backward <= 0:
+            raise ValueError("forward + backward cost per tile must be > 0.")
+
+    def task_cost(self, tiles: int, rows: int) -> float:
+        """Modeled cost of one task visiting ``tiles`` tiles over ``rows`` query rows (0 rows: nothing)."""
+        if rows <= 0:
+            return 0.0
+        return ((self.forward + self.backward) * tiles + self.launches * self.launch
+                + self.row_tile * math.ceil(rows / self.tile_m))
+
+
+#: The old objective: visible query-key pairs (1 x 1 tiles, no fixed costs).
+PAIRS = TileCost(tile_m=1, tile_n=1, forward=1.0, backward=0.0, launch=0.0, launches=0, row_tile=0.0)
+#: The default model (128 x 128 tiles; constants in :class:`TileCost`).
+DEFAULT_COST = TileCost()
+
+
+class BlockTiles:
+    """Tile counts of row spans of one (query chunk, key chunk) block, from its local key ranges.
+
+    ``lo``/``hi``: int64 ``(batch, rows)``, the block's key ranges in key-chunk coordinates, monotone along
+    each row (what :func:`local_key_range` gives the kernels).
+    """
+
+    def __init__(self, lo: torch.Tensor, hi: torch.Tensor, tile_m: int, tile_n: int) -> None:
+        self.lo, self.hi = lo.long(), hi.long()
+        self.tile_m, self.tile_n = tile_m, tile_n
+        seen = (self.hi > self.lo).to(torch.int64)
+        self.seen_prefix = torch.zeros(seen.shape[0], seen.shape[1] + 1, dtype=torch.int64)
+        torch.cumsum(seen, 1, out=self.seen_prefix[:, 1:])
+        self.rows = lo.shape[1]
+
+    def tiles(self, start: int, stop: int) -> int:
+        """Tiles the kernels visit for query rows ``[start, stop)`` (query tiles aligned at ``start``)."""
+        if stop <= start:
+            return 0
+        first = torch.arange(start, stop, self.tile_m)
+        last = torch.clamp(first + self.tile_m, max=stop)
+        seen = (self.seen_prefix[:, last] - self.seen_prefix[:, first]) > 0
+        key_start = torch.div(self.lo[:, first], self.tile_n, rounding_mode="floor") * self.tile_n
+        span = (self.hi[:, last - 1] - key_start).clamp_min(0)
+        count = torch.div(span + self.tile_n - 1, self.tile_n, rounding_mode="floor")
+        return int(torch.where(seen, count, 0).sum())
+
+    def seen_rows(self, start: int, stop: int) -> tuple[int, int]:
+        """``[start, stop)`` trimmed to its first and last rows that see a key (empty: ``(start, start)``)."""
+        counts = self.seen_prefix[:, start:stop + 1].sum(0)
+        if int(counts[-1] - counts[0]) == 0:
+            return start, start
+        first = start + int((counts[1:] == counts[0]).sum())
+        last = start + int((counts[:-1] < counts[-1]).sum())
+        return first, last
+
+
+def block_tiles(segments: Segments, world: int, causal: bool, window: int | None, q_chunk: int, kv_chunk: int,
+                model: TileCost) -> BlockTiles:
+    """The :class:`BlockTiles` of block ``(q_chunk, kv_chunk)`` when ``segments`` is split over ``world``."""
+    n = segments.length // world
+    lo, hi = key_ranges(segments, causal=causal, window=window)
+    rows = slice(q_chunk * n, (q_chunk + 1) * n)
+    lo_l, hi_l = local_key_range(lo[:, rows], hi[:, rows], kv_chunk * n, n)
+    return BlockTiles(lo_l, hi_l, model.tile_m, model.tile_n)
+
+
+@dataclass(eq=False)  # identity: two pieces with equal rows are still two pieces
+class _Piece:
+    q_owner: int
+    kv_owner: int
+    row_start: int
+    row_stop: int
+
+
+def build_segment_schedule(
+    world: int,
+    segments: Segments,
+    causal: bool = True,
+    window: int | None = None,
+    tolerance: float = 0.01,
+    cost: TileCost = DEFAULT_COST,
+) -> Schedule:
+    """The schedule of attention over packed documents (a pure function of the boundaries, cached).
+
+    Only blocks with a visible pair become tasks, trimmed to the query rows that see a key of the block
+    (a block whose chunks share no document is neither computed nor sent, and a task ships only the rows
+    it needs). Each block starts with its query owner; then, while the busiest rank is more than
+    ``tolerance`` above the mean modeled ``cost``, the tail query rows of one of its pieces move to the
+    idlest rank, at the split that minimizes the larger of the two ranks' costs (counting the extra
+    task it creates); the move must lower that maximum. Among equal moves, a piece whose keys the idle
+    rank holds is preferred (it then needs only the query rows). Every visible pair is computed exactly
+    once. Each rank computes its own diagonal block at step 0 (local), then its other tasks, costliest
+    first. The greedy runs from the owners' blocks and from the pair-balanced split (refined under the
+    model); the lower modeled maximum wins, so the tile model is never worse than balancing pairs.
+    ``SpanTask.work`` stays the visible pairs; :func:`modeled_loads` gives the modeled costs.
+    """
+    return _segment_schedule(world, segments, causal, window, tolerance, cost)
+
+
+class _Blocks:
+    """Lazily built :class:`BlockTiles` and pair prefix sums of every block (schedule internals)."""
+
+    def __init__(self, segments: Segments, world: int, causal: bool, window: int | None, cost: TileCost,
+                 like: _Blocks | None = None):
+        self.n = segments.length // world
+        self.world, self.cost = world, cost
+        self.lo, self.hi = key_ranges(segments, causal=causal, window=window)
+        if like is not None:  # the same blocks under another cost: share the pair counts
+            self.work, self.prefix = like.work, like.prefix
+        else:
+            self.work, self.prefix = block_work(self.lo, self.hi, world)
+        self._tiles: dict[tuple[int, int], BlockTiles] = {}
+
+    def tiles(self, i: int, j: int) -> BlockTiles:
+        if (i, j) not in self._tiles:
+            n = self.n
+            rows = slice(i * n, (i + 1) * n)
+            lo_l, hi_l = local_key_range(self.lo[:, rows], self.hi[:, rows], j * n, n)
+            self._tiles[(i, j)] = BlockTiles(lo_l, hi_l, self.cost.tile_m, self.cost.tile_n)
+        return self._tiles[(i, j)]
+
+    def pairs(self, i: int, j: int, start: int, stop: int) -> int:
+        pre = self.prefix[i][j]
+        return int(pre[stop] - pre[start])
+
+    def trim(self, i: int, j: int, start: int, stop: int) -> tuple[int, int]:
+        return self.tiles(i, j).seen_rows(start, stop)
+
+    def span_cost(self, i: int, j: int, start: int, stop: int, trim: bool = True) -> float:
+        """Modeled cost of rows ``[start, stop)`` of block ``(i, j)`` as one task (``trim``: of its rows
+        that see a key; a task with no visible pair costs nothing: it is never scheduled)."""
+        first, last = self.trim(i, j, start, stop)
+        if last <= first:
+            return 0.0
+        if trim:
+            start, stop = first, last
+        return self.cost.task_cost(self.tiles(i, j).tiles(start, stop), stop - start)
+
+    def piece_cost(self, p: _Piece) -> float:
+        return self.span_cost(p.q_owner, p.kv_owner, p.row_start, p.row_stop)
+
+
+def _best_split(blocks: _Blocks, piece: _Piece, over_rest: float, under_load: float) -> tuple[float, int]:
+    """The split row ``s`` of ``piece`` (rows ``[s, stop)`` move) minimizing the larger of the two ranks'
+    new costs; returns (that maximum, s). ``over_rest``: the busy rank's cost without the piece."""
+    i, j, a, b = piece.q_owner, piece.kv_owner, piece.row_start, piece.row_stop
+
+    def outcome(s: int) -> float:
+        return max(over_rest + blocks.span_cost(i, j, a, s), under_load + blocks.span_cost(i, j, s, b))
+
+    # head cost grows with s, tail cost shrinks (up to tile alignment): bisect the crossing, then look around
+    left, right = a, b
+    while right - left > 1:
+        mid = (left + right) // 2
+        if over_rest + blocks.span_cost(i, j, a, mid) < under_load + blocks.span_cost(i, j, mid, b):
+            left = mid
+        else:
+            right = mid
+    candidates = {a, b, left, right, *range(max(a, left - 2), min(b, right + 2) + 1)}
+    m = blocks.cost.tile_m
+    for base in (left, right):  # tile-aligned neighbours of the crossing (fewer partial tiles)
+        aligned = a + ((base - a) // m) * m
+        candidates.update(x for x in (aligned, aligned + m) if a <= x <= b)
+    best = min(candidates, key=lambda s: (outcome(s), -s))
+    return outcome(best), best
+
+
+@lru_cache(maxsize=128)
+def _segment_schedule(world: int, segments: Segments, causal: bool, window: int | None, tolerance: float,
+                      cost: TileCost) -> Schedule:
+    if world < 1:
+        raise ValueError(f"world size must be >= 1, got {world}.")
+    if segments.length % world:
+        raise ValueError(
+            f"the sequence of {segments.length} tokens does not split into {world} equal shards; pad it "
+            "to a multiple of the group size (lightseq_hf.pad_to_multiple)."
+        )
+    blocks = _Blocks(segments, world, causal, window, cost)
+    n = blocks.n
+    owned: list[list[_Piece]] = [[] for _ in range(world)]
+    for i in range(world):
+        for j in range(world):
+            if blocks.work[i][j] > 0:
+                owned[i].append(_Piece(i, j, *blocks.trim(i, j, 0, n)))
+    pieces = _balance(blocks, _copy(owned), tolerance)
+    if cost != PAIRS:
+        # the greedy moves only tails to the idlest rank; also refine the pair-balanced split, keep the better
+        pair_blocks = _Blocks(segments, world, causal, window, PAIRS, like=blocks)
+        paired = _balance(pair_blocks, _copy(owned), tolerance)
+        for other in (_balance(blocks, _copy(paired), tolerance), paired):
+            if _max_load(blocks, other) < _max_load(blocks, pieces) - 1e-9:
+                pieces = other
+
+    per_rank: list[list[SpanTask | None]] = []
+    for rank in range(world):
+        tasks = [SpanTask(i, j, a, b, blocks.pairs(i, j, a, b), diagonal=i == j)
+                 for i, j, a, b in _merged_runs(blocks, pieces[rank])]
+        local = [t for t in tasks if t.q_owner == t.kv_owner == rank]
+        if len(local) > 1:
+            raise AssertionError("a rank's own diagonal block must stay one task")
+        remote = sorted((t for t in tasks if t not in local), key=lambda t: (
+            -blocks.span_cost(t.q_owner, t.kv_owner, t.row_start, t.row_stop), t.q_owner, t.kv_owner,
+            t.row_start))
+        per_rank.append([*local, *remote] if local else [None, *remote])
+    num_steps = max(1, *(len(t) for t in per_rank))
+    steps = tuple(
+        tuple(per_rank[r][t] if t < len(per_rank[r]) else None for r in range(world))
+        for t in range(num_steps)
+    )
+    return Schedule(world, causal, "segments", steps)
+
+
+def _copy(pieces: list[list[_Piece]]) -> list[list[_Piece]]:
+    return [[_Piece(p.q_owner, p.kv_owner, p.row_start, p.row_stop) for p in rank] for rank in pieces]
+
+
+def _max_load(blocks: _Blocks, pieces: list[list[_Piece]]) -> float:
+    return max(sum(blocks.span_cost(*run) for run in _merged_runs(blocks, rank)) for rank in pieces)
+
+
+def _balance(blocks: _Blocks, pieces: list[list[_Piece]], tolerance: float) -> list[list[_Piece]]:
+    """Greedy: while the busiest rank is above ``tolerance`` over the mean, move the tail rows of one of
+    its pieces to the idlest rank at the split minimizing the larger of the two, if that lowers it."""
+    world = len(pieces)
+    loads = [sum(blocks.piece_cost(p) for p in pieces[r]) for r in range(world)]
+    for _ in range(8 * world * world + 8):
+        over = max(range(world), key=lambda r: (loads[r], -r))
+        under = min(range(world), key=lambda r: (loads[r], r))
+        if loads[over] <= sum(loads) / world * (1 + tolerance):
+            break
+        best = None
+        for piece in pieces[over]:
+            if piece.q_owner == piece.kv_owner == under:
+                continue  # the idle rank's own diagonal block must stay one (local) task
+            own = blocks.piece_cost(piece)
+            new_max, split = _best_split(blocks, piece, loads[over] - own, loads[under])
+            key = (new_max, piece.kv_owner != under, -own, piece.q_owner, piece.kv_owner, piece.row_start)
+            if split < piece.row_stop and (best is None or key < best[0]):
+                best = (key, piece, split)
+        if best is None or best[0][0] >= loads[over] - 1e-9:
+            break  # no move lowers the busiest rank
+        _, piece, split = best
+        i, j = piece.q_owner, piece.kv_owner
+        loads[over] -= blocks.piece_cost(piece)
+        tail = _Piece(i, j, *blocks.trim(i, j, split, piece.row_stop))
+        piece.row_start, piece.row_stop = blocks.trim(i, j, piece.row_start, split)
+        if piece.row_stop <= piece.row_start:
+            pieces[over].remove(piece)
+        else:
+            loads[over] += blocks.piece_cost(piece)
+        pieces[under].append(tail)
+        loads[under] += blocks.piece_cost(tail)
+    return pieces
+
+
+def _merged_runs(blocks: _Blocks, pieces: list[_Piece]) -> list[tuple[int, int, int, int]]:
+    """One rank's pieces as tasks: adjacent pieces of one block merged, each trimmed, none empty."""
+    merged: dict[tuple[int, int], list[_Piece]] = {}
+    for p in pieces:
+        merged.setdefault((p.q_owner, p.kv_owner), []).append(p)
+    runs = []
+    for (i, j), group in merged.items():
+        group.sort(key=lambda p: p.row_start)
+        spans = [[group[0].row_start, group[0].row_stop]]
+        for p in group[1:]:
+            if blocks.pairs(i, j, spans[-1][1], p.row_start) == 0:  # only unseen rows between: one task
+                spans[-1][1] = p.row_stop
+            else:
+                spans.append([p.row_start, p.row_stop])
+        for a, b in spans:
+            a, b = blocks.trim(i, j, a, b)
+            if b > a:
+                runs.append((i, j, a, b))
+    return runs
+
+
+def modeled_loads(schedule: Schedule, segments: Segments, causal: bool = True, window: int | None = None,
+                  cost: TileCost = DEFAULT_COST) -> list[float]:
+    """Each rank's modeled cost of ``schedule`` (built from the same ``segments``) under ``cost``: its tasks
+    as given (also schedules whose tasks were not trimmed to the rows that see keys)."""
+    blocks = _Blocks(segments, schedule.world, causal, window, cost)
+    loads = [0.0] * schedule.world
+    for step in schedule.steps:
+        for rank, task in enumerate(step):
+            if task is not None:
+                loads[rank] += blocks.span_cost(task.q_owner, task.kv_owner, task.row_start, task.row_stop,
+                                                trim=False)
+    return loads
+
+
+def segment_blocks(world: int, segments: Segments, causal: bool, window: int | None) -> dict[
+        tuple[int, int], int]:
+    """Every (query chunk, key chunk) block with visible pairs, and how many (for tests and tables)."""
+    lo, hi = key_ranges(segments, causal=causal, window=window)
+    work, _ = block_work(lo, hi, world)
+    return {(i, j): work[i][j] for i in range(world) for j in range(world) if work[i][j] > 0}
