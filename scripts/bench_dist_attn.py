@@ -31,7 +31,8 @@ from lightseq_hf.parallel.comm import set_transfer_mode
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", default="32768,65536,131072,262144", help="total sequence lengths")
+    p.add_argument("--seqs", default="32768,65536,131072,262144",
+                   help="total sequence lengths (multiples of the world size; 524288 fits 2 or 4 H200)")
     p.add_argument("--heads", default="32/32,32/8", help="query/kv heads, comma separated")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--backends", default="sdpa_cudnn,triton")
@@ -191,6 +192,9 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
+    bad = [n for n in (int(x) for x in args.seqs.split(",")) if n % world]
+    if bad:
+        raise SystemExit(f"--seqs {bad}: every total length must split into {world} equal shards")
     solo_groups = [dist.new_group([r]) for r in range(world)]
     backends = args.backends.split(",")
     device_name = torch.cuda.get_device_name()
@@ -314,6 +318,15 @@ def _ms(rows, **match):
     return None
 
 
+def _per_rank(rows, **match) -> list[float] | None:
+    """The per-rank milliseconds of the first matching row (compute-only rows), if every rank has one."""
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()) and r.get("per_rank_ms"):
+            busy = r["per_rank_ms"]
+            return busy if all(x and x > 0 for x in busy) else None
+    return None
+
+
 def summarize(rows, world) -> dict:
     """The headline ratios (heads 32/32, forward+backward, local kernel cuDNN unless named)."""
     seqs = sorted({r["seq"] for r in rows})
@@ -340,6 +353,12 @@ def summarize(rows, world) -> dict:
             entry["vs_torch_cp_triton"] = min(cps) / ours_triton
         if ours and compute:
             entry["comm_overhead"] = ours / compute - 1
+        busy = _per_rank(rows, impl="compute_only_sdpa_cudnn", **m)
+        if busy:
+            entry["compute_spread"] = max(busy) / min(busy) - 1
+        busy_fwd = _per_rank(rows, impl="compute_only_sdpa_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
+        if busy_fwd:
+            entry["compute_spread_fwd"] = max(busy_fwd) / min(busy_fwd) - 1
         fwd_single = _ms(rows, impl="single_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
         for name in ("ours", "ring", "paper"):
             t = _ms(rows, impl=f"{name}_sdpa_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
@@ -350,6 +369,10 @@ def summarize(rows, world) -> dict:
     summary["efficiency_128k"] = summary["per_seq"].get("131072", {}).get("efficiency")
     summary["efficiency_32k"] = summary["per_seq"].get("32768", {}).get("efficiency")
     summary["comm_overhead_64k"] = summary["per_seq"].get("65536", {}).get("comm_overhead")
+    summary["efficiency_64k"] = summary["per_seq"].get("65536", {}).get("efficiency")
+    summary["efficiency_256k"] = summary["per_seq"].get("262144", {}).get("efficiency")
+    # slowest over fastest rank's compute-only forward+backward (no transfers), minus 1
+    summary["compute_spread_256k"] = summary["per_seq"].get("262144", {}).get("compute_spread")
     return summary
 
 
