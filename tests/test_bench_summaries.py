@@ -150,3 +150,23 @@ def test_dist_summary_p4_keys_efficiency_and_compute_spread():
                    "phase": "fwd_bwd", "error": "out of memory"})
     assert bench.summarize(failed, world=4)["compute_spread_256k"] is None
 
+
+
+def test_dist_replay_runs_each_ranks_own_tasks():
+    """--replay: rank r's tasks of the balanced schedule, forward then backward, one kernel call each."""
+    bench = _load("bench_dist_attn")
+    from lightseq_hf.kernels import get_kernel
+
+    tasks = [(t.q_owner, t.kv_owner, t.parts) for t in bench.rank_tasks(4, 1)]
+    assert tasks == [(1, 1, 1), (1, 0, 1), (3, 1, 2)]
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, 16, 4, 16, generator=g), torch.randn(1, 16, 4, 16, generator=g)
+    k, v = torch.randn(1, 16, 2, 16, generator=g), torch.randn(1, 16, 2, 16, generator=g)
+    run, calls = bench.make_replay(q, k, v, dout, get_kernel("reference", q.device), bench.rank_tasks(4, 0),
+                                   True, 0.25)
+    run()
+    assert calls == [3, 3]
+    run, calls = bench.make_replay(q, k, v, dout, get_kernel("reference", q.device), bench.rank_tasks(2, 1),
+                                   False, 0.25)
+    run()
+    assert calls == [2, 0]
