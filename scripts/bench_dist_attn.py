@@ -271,7 +271,8 @@ def main() -> None:
     }
     gpus = [None] * world  # which GPU each rank ran on (a slow GPU follows its bus id, a slow rank does not)
     props = torch.cuda.get_device_properties(local_rank)
-    dist.all_gather_object(gpus, {"cuda_index": local_rank, "pci_bus_id": getattr(props, "pci_bus_id", None)})
+    dist.all_gather_object(gpus, {"cuda_index": local_rank, "pci_bus_id": getattr(props, "pci_bus_id", None),
+                                  "uuid": str(getattr(props, "uuid", ""))})
     meta["rank_gpus"] = gpus
     try:
         import triton
