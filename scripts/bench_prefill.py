@@ -275,6 +275,11 @@ def summarize(rows: list[dict], world: int) -> dict:
         ours_rows = [r for r in rows if r["impl"] == "ours" and r["seq"] == n and "rel_err_vs_single" in r]
         if ours_rows:
             entry["ours_rel_err_vs_single"] = ours_rows[0]["rel_err_vs_single"]
+        heads = {i: r["last_logits_head"] for r in rows if r["seq"] == n and "last_logits_head" in r
+                 for i in (r["impl"],)}
+        if "ours" in heads and "single" in heads:  # across runs too (--single-from): same weights, prompt
+            entry["ours_logits_head_rel_err_vs_single"] = rel_err(torch.tensor(heads["ours"]),
+                                                                  torch.tensor(heads["single"]))
         per_seq[str(n)] = entry
     ratios = [e["torch_cp_over_ours"] for e in per_seq.values() if e["torch_cp_over_ours"]]
     longest = [int(n) for n, e in per_seq.items() if e["ours_ms"]]

@@ -45,6 +45,7 @@ def test_smoke_run_on_two_cpu_processes(tmp_path):
         entry = result["summary"]["per_seq"][str(n)]
         assert entry["speedup_vs_single"] == pytest.approx(single["ms"] / ours["ms"])
         assert entry["torch_cp_ms"] is None and entry["ours_rel_err_vs_single"] == ours["rel_err_vs_single"]
+        assert entry["ours_logits_head_rel_err_vs_single"] < 1e-4  # rounded to 5 decimals in the rows
     assert result["world"] == 2 and result["impls"] == ["single", "ours", "torch_cp"]
 
 
