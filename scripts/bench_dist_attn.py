@@ -26,12 +26,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import lightseq_hf
+from lightseq_hf.kernels import get_kernel
 from lightseq_hf.parallel.comm import set_transfer_mode
+from lightseq_hf.parallel.merge import empty_running
+from lightseq_hf.parallel.schedule import Task, build_schedule
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", default="32768,65536,131072,262144", help="total sequence lengths")
+    p.add_argument("--seqs", default="32768,65536,131072,262144",
+                   help="total sequence lengths (multiples of the world size; 524288 fits 2 or 4 H200)")
     p.add_argument("--heads", default="32/32,32/8", help="query/kv heads, comma separated")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--backends", default="sdpa_cudnn,triton")
@@ -45,6 +49,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace-seq", type=int, default=65536, help="total length of the traced run")
     p.add_argument("--trace-backend", default="sdpa_cudnn", help="local kernel of the traced run")
     p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
+    p.add_argument("--replay", action="store_true",
+                   help="also time each rank's own tasks of the balanced schedule through the local kernel "
+                        "on its own random inputs (no transfers, no peers' merges, no unfilled receive "
+                        "buffers): rows replay_<backend> with per_rank_ms")
+    p.add_argument("--device-order", default="normal", choices=("normal", "reversed"),
+                   help="reversed: local rank r runs on GPU (gpus - 1 - r), to tell a slow GPU from a slow "
+                        "rank")
     return p.parse_args()
 
 
@@ -182,15 +193,65 @@ def per_rank_compute(q, k, v, dout, backend, reps, world, with_bwd):
     return t.tolist()
 
 
+def rank_tasks(world: int, rank: int, kind: str = "balanced") -> list[Task]:
+    """The tasks ``rank`` computes under the causal schedule ``kind``, in step order."""
+    return [step[rank] for step in build_schedule(world, True, kind).steps if step[rank] is not None]
+
+
+def make_replay(q, k, v, dout, kernel, tasks: list[Task], with_bwd: bool, scale: float):
+    """This rank's tasks through the local kernel on its own tensors: each task's query rows against
+    the local keys/values (same shapes as the real loop: diagonal blocks causal, row halves), forward
+    into a running (out, lse), then (``with_bwd``) every task's backward with the rows' global out and
+    lse. Returns ``(run, calls)``; ``calls`` counts kernel calls per pass ``[forward, backward]``."""
+    chunk = q.shape[1]
+    q, k, v, dout = (x.detach() for x in (q, k, v, dout))
+    with torch.no_grad():
+        out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
+    rows = [(task, *task.rows(chunk)) for task in tasks]
+    lse_rows = [lse[:, :, a:b].contiguous() for _, a, b in rows]
+    calls = [0, 0]
+
+    def run():
+        with torch.no_grad():
+            for task, a, b in rows:
+                running_out, running_lse = empty_running(q[:, a:b])
+                kernel.forward(q[:, a:b], k, v, causal=task.diagonal, scale=scale, out=running_out,
+                               lse=running_lse)
+                calls[0] += 1
+            if with_bwd:
+                for (task, a, b), task_lse in zip(rows, lse_rows):
+                    kernel.backward(dout[:, a:b], q[:, a:b], k, v, out[:, a:b], task_lse,
+                                    causal=task.diagonal, scale=scale)
+                    calls[1] += 1
+    return run, calls
+
+
+def per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd):
+    """Each rank's kernel time for its own tasks (``make_replay``), as a list over the ranks."""
+    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    tasks = rank_tasks(world, dist.get_rank())
+    run, _ = make_replay(q, k, v, dout, kernel, tasks, with_bwd, q.shape[-1] ** -0.5)
+    ms = timed(run, reps, reduce_max=False)
+    t = torch.zeros(world, device="cuda")
+    t[dist.get_rank()] = ms
+    dist.all_reduce(t)
+    return t.tolist()
+
+
 def main() -> None:
     args = parse_args()
     if args.plot_from:
         plot(json.loads(Path(args.plot_from).read_text())["rows"], Path(args.plot_from).with_suffix(".png"))
         return
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device_order == "reversed":
+        local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count())) - 1 - local_rank
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
+    bad = [n for n in (int(x) for x in args.seqs.split(",")) if n % world]
+    if bad:
+        raise SystemExit(f"--seqs {bad}: every total length must split into {world} equal shards")
     solo_groups = [dist.new_group([r]) for r in range(world)]
     backends = args.backends.split(",")
     device_name = torch.cuda.get_device_name()
@@ -204,10 +265,15 @@ def main() -> None:
     meta = {
         "device": device_name, "world": world, "date": date, "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())), "dtype": "bfloat16", "causal": True,
-        "head_dim": args.dim, "batch": 1,
+        "head_dim": args.dim, "batch": 1, "device_order": args.device_order,
         "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                "NVSHMEM_DISABLE_NVLS")},
     }
+    gpus = [None] * world  # which GPU each rank ran on (a slow GPU follows its bus id, a slow rank does not)
+    props = torch.cuda.get_device_properties(local_rank)
+    dist.all_gather_object(gpus, {"cuda_index": local_rank, "pci_bus_id": getattr(props, "pci_bus_id", None),
+                                  "uuid": str(getattr(props, "uuid", ""))})
+    meta["rank_gpus"] = gpus
     try:
         import triton
 
@@ -262,6 +328,14 @@ def main() -> None:
                     except Exception:  # noqa: BLE001
                         record({**base, "impl": f"compute_only_{backend}", "phase": phase,
                                 "error": traceback.format_exc(limit=3)})
+                    if args.replay and main_config:
+                        try:
+                            busy = per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd)
+                            record({**base, "impl": f"replay_{backend}", "phase": phase,
+                                    "ms": max(busy), "per_rank_ms": busy})
+                        except Exception:  # noqa: BLE001
+                            record({**base, "impl": f"replay_{backend}", "phase": phase,
+                                    "error": traceback.format_exc(limit=3)})
             if args.trace and n == args.trace_seq and main_config:
                 write_trace(q, k, v, dout, args.trace_backend, out_dir, rank, n)
             del q, k, v, dout
@@ -314,6 +388,15 @@ def _ms(rows, **match):
     return None
 
 
+def _per_rank(rows, **match) -> list[float] | None:
+    """The per-rank milliseconds of the first matching row (compute-only rows), if every rank has one."""
+    for r in rows:
+        if all(r.get(k) == v for k, v in match.items()) and r.get("per_rank_ms"):
+            busy = r["per_rank_ms"]
+            return busy if all(x and x > 0 for x in busy) else None
+    return None
+
+
 def summarize(rows, world) -> dict:
     """The headline ratios (heads 32/32, forward+backward, local kernel cuDNN unless named)."""
     seqs = sorted({r["seq"] for r in rows})
@@ -340,6 +423,15 @@ def summarize(rows, world) -> dict:
             entry["vs_torch_cp_triton"] = min(cps) / ours_triton
         if ours and compute:
             entry["comm_overhead"] = ours / compute - 1
+        busy = _per_rank(rows, impl="compute_only_sdpa_cudnn", **m)
+        if busy:
+            entry["compute_spread"] = max(busy) / min(busy) - 1
+        busy_fwd = _per_rank(rows, impl="compute_only_sdpa_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
+        if busy_fwd:
+            entry["compute_spread_fwd"] = max(busy_fwd) / min(busy_fwd) - 1
+        replay = _per_rank(rows, impl="replay_sdpa_cudnn", **m)
+        if replay:
+            entry["replay_spread"] = max(replay) / min(replay) - 1
         fwd_single = _ms(rows, impl="single_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
         for name in ("ours", "ring", "paper"):
             t = _ms(rows, impl=f"{name}_sdpa_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
@@ -350,6 +442,10 @@ def summarize(rows, world) -> dict:
     summary["efficiency_128k"] = summary["per_seq"].get("131072", {}).get("efficiency")
     summary["efficiency_32k"] = summary["per_seq"].get("32768", {}).get("efficiency")
     summary["comm_overhead_64k"] = summary["per_seq"].get("65536", {}).get("comm_overhead")
+    summary["efficiency_64k"] = summary["per_seq"].get("65536", {}).get("efficiency")
+    summary["efficiency_256k"] = summary["per_seq"].get("262144", {}).get("efficiency")
+    # slowest over fastest rank's compute-only forward+backward (no transfers), minus 1
+    summary["compute_spread_256k"] = summary["per_seq"].get("262144", {}).get("compute_spread")
     return summary
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
-# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|all]
+# Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|
+#                                                  prefill|x4|maxctx-*|all]
 #   tests        the GPU test modules
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
@@ -17,6 +18,13 @@
 #                GPU and host), maxctx-ours-cpuadam (+ FSDP2 CPU offload),
 #                maxctx-cp (torch CP at its best: chunked loss + transformers' offload), maxctx-cp-plain
 #                (chunked loss, HF checkpointing without offload); SEQS overrides a search's ladder
+#   prefill      first-token latency (scripts/bench_prefill.py, forward only, 7B shape): one GPU at 32K-128K
+#                (SEQS1), then all GPUs at 32K-512K (SEQS; ours against torch CP, with the one-GPU rows)
+#   x4           issue 16 on 4 GPUs in one call (<= 9 min, each step under its own time limit):
+#                bench_dist_attn 32K-256K (cuDNN, both head layouts, ablations, per-rank compute and replay,
+#                a 64K trace), prefill on one GPU (32K-128K) and on all GPUs (32K-256K), and the 256K
+#                per-rank compute again with the ranks on the GPUs in reverse order (slow GPU or slow rank?)
+# (prefill and x4 are not part of all)
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +42,16 @@ if [[ -n ${busy// /} ]]; then
   exit 1
 fi
 run() { echo "== $*"; "$@"; }
+# wait_idle: a part cut off by its time limit may leave workers holding the GPUs for a few seconds
+wait_idle() { for _ in $(seq 30); do
+    [[ -z $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr -d ' \n') ]] && return
+    sleep 1; done; echo "GPUs still busy after 30 s" >&2; }
+# summary GLOB: the newest matching results file's summary on one line
+summary() { local f; f=$(ls -t $1 2>/dev/null | head -1); [[ -n $f ]] || { echo "no $1"; return; }
+  python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['summary']; p=s.pop('per_seq', None)
+print(sys.argv[1], json.dumps(s)[:1500]); print('per_seq', json.dumps(p)[:1500])" "$f"; }
+# quiet: keep a part's errors, drop its per-row JSON (the files hold them)
+quiet() { awk 'n < 20 && /Error|error:|Traceback|^\[/ { print substr($0, 1, 300); n++ }'; }
 # train SECONDS NPROC ARGS...: a training benchmark under a time limit (a rank left alone by an
 # out-of-memory peer would otherwise wait forever)
 train() { local limit=$1 n=$2; shift 2
@@ -85,3 +103,47 @@ case $part in
   maxctx-cp) maxctx --seqs "${SEQS:-524288,655360}" --variants torch_cp+offload ;;
   maxctx-cp-plain) maxctx --seqs "${SEQS:-294912,327680}" --variants torch_cp ;;
 esac
+if [[ $part == prefill ]]; then
+  run timeout 200 torchrun --nproc_per_node 1 scripts/bench_prefill.py --seqs "${SEQS1:-32768,65536,131072}" \
+    --reps 2 --out "$out" 2>&1 | quiet
+  summary "$out/prefill-*-x1-*.json"
+  wait_idle
+  if (( gpus > 1 )); then
+    single=$(ls -t "$out"/prefill-*-x1-*.json 2>/dev/null | head -1)
+    run timeout 380 torchrun --nproc_per_node "$gpus" scripts/bench_prefill.py --reps 2 \
+      --seqs "${SEQS:-32768,65536,131072,262144,524288}" ${single:+--single-from "$single"} --out "$out" 2>&1 | quiet
+    summary "$out/prefill-*-x$gpus-*.json"
+  fi
+fi
+if [[ $part == x4 ]]; then
+  # Estimated from issue 16's 4 x H200 numbers: dist ~170 s, prefill one GPU ~80 s, prefill 4 GPUs ~150 s,
+  # the reversed-order check ~45 s (process start and model set-up included); limits add ~30% each and
+  # a deadline keeps the sum under 9 minutes.
+  (( gpus == 4 )) || echo "warning: part x4 expects 4 GPUs, found $gpus" >&2
+  deadline=$((SECONDS + 530))
+  limit() { local rest=$((deadline - SECONDS)); (( rest < $1 )) && echo $(( rest > 5 ? rest : 5 )) || echo "$1"; }
+  step() { echo "[x4 $(date +%T), ${SECONDS}s] $*"; }
+  step "1/4 bench_dist_attn 32K-256K: cuDNN, heads 32/32 and 32/8, ablations, compute-only and replay per rank, trace at 64K"
+  run timeout "$(limit 230)" torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends sdpa_cudnn \
+    --seqs 32768,65536,131072,262144 --reps 3 --replay --trace --trace-seq 65536 --out "$out" 2>&1 | quiet
+  summary "$out/dist-*-x$gpus-*[0-9].json"
+  wait_idle
+  step "2/4 prefill on one GPU, 32K-128K"
+  run timeout "$(limit 110)" torchrun --nproc_per_node 1 scripts/bench_prefill.py --seqs 32768,65536,131072 \
+    --reps 2 --out "$out" 2>&1 | quiet
+  summary "$out/prefill-*-x1-*.json"
+  wait_idle
+  step "3/4 prefill on $gpus GPUs, 32K-256K, ours and torch CP"
+  single=$(ls -t "$out"/prefill-*-x1-*.json 2>/dev/null | head -1)
+  run timeout "$(limit 190)" torchrun --nproc_per_node "$gpus" scripts/bench_prefill.py --reps 2 \
+    --seqs 32768,65536,131072,262144 ${single:+--single-from "$single"} --out "$out" 2>&1 | quiet
+  summary "$out/prefill-*-x$gpus-*.json"
+  wait_idle
+  step "4/4 per-rank compute at 256K with the ranks on the GPUs in reverse order"
+  run timeout "$(limit 70)" torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends sdpa_cudnn \
+    --seqs 262144 --heads 32/32 --reps 3 --no-torch-cp --no-single --no-ablations --replay \
+    --device-order reversed --tag reversed-gpus --out "$out" 2>&1 | quiet
+  summary "$out/dist-*-x$gpus-*-reversed-gpus.json"
+  step "done"
+fi
+

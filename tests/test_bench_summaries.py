@@ -114,3 +114,59 @@ def test_dist_summary_uses_fastest_torch_cp_and_lengths_from_64k():
     assert s["efficiency_128k"] == pytest.approx(760 / 800)
     assert s["efficiency_32k"] == pytest.approx(60 / 80)
     assert s["comm_overhead_64k"] == pytest.approx(100 / 98 - 1)
+
+
+def test_dist_summary_p4_keys_efficiency_and_compute_spread():
+    """The P = 4 keys: efficiency at 64K and 256K, and the spread of the per-rank compute-only
+    forward+backward at 256K (slowest over fastest rank, minus 1)."""
+    bench = _load("bench_dist_attn")
+
+    def row(impl, seq, ms, phase="fwd_bwd", **extra):
+        return {"impl": impl, "seq": seq, "heads": 32, "kv_heads": 32, "phase": phase, "ms": ms, **extra}
+
+    rows = []
+    for seq, ours, single, busy in ((65536, 66.0, 220.0, [60.0, 61.0, 59.0, 60.5]),
+                                    (262144, 950.0, 3720.0, [886.0, 903.0, 818.0, 832.0]),
+                                    (524288, 3700.0, None, [3500.0, 3510.0, 3490.0, 3505.0])):
+        rows += [row("ours_sdpa_cudnn", seq, ours), row("torch_cp_allgather_cudnn", seq, ours * 1.01),
+                 row("compute_only_sdpa_cudnn", seq, max(busy), per_rank_ms=busy),
+                 row("compute_only_sdpa_cudnn", seq, max(busy) / 3, phase="fwd",
+                     per_rank_ms=[x / 3 for x in busy[::-1]])]
+        if single:
+            rows.append(row("single_cudnn", seq, single))
+    # a GQA compute-only row at 256K must not be taken for the 32/32 one
+    rows.insert(0, {**row("compute_only_sdpa_cudnn", 262144, 1.0, per_rank_ms=[1.0, 2.0, 1.0, 1.0]),
+                    "kv_heads": 8})
+    s = bench.summarize(rows, world=4)
+    assert s["efficiency_64k"] == pytest.approx(220 / (4 * 66))
+    assert s["efficiency_256k"] == pytest.approx(3720 / (4 * 950))
+    assert s["compute_spread_256k"] == pytest.approx(903 / 818 - 1)
+    assert s["per_seq"]["262144"]["compute_spread_fwd"] == pytest.approx(903 / 818 - 1)
+    assert s["per_seq"]["524288"]["compute_spread"] == pytest.approx(3510 / 3490 - 1)
+    assert "efficiency" not in s["per_seq"]["524288"]  # no one-GPU row at 512K
+    # a failed compute-only row (error, no per-rank times) gives no spread rather than a wrong one
+    failed = [r for r in rows if not (r["seq"] == 262144 and r["impl"].startswith("compute_only"))]
+    failed.append({"impl": "compute_only_sdpa_cudnn", "seq": 262144, "heads": 32, "kv_heads": 32,
+                   "phase": "fwd_bwd", "error": "out of memory"})
+    assert bench.summarize(failed, world=4)["compute_spread_256k"] is None
+
+
+
+def test_dist_replay_runs_each_ranks_own_tasks():
+    """--replay: rank r's tasks of the balanced schedule, forward then backward, one kernel call each."""
+    bench = _load("bench_dist_attn")
+    from lightseq_hf.kernels import get_kernel
+
+    tasks = [(t.q_owner, t.kv_owner, t.parts) for t in bench.rank_tasks(4, 1)]
+    assert tasks == [(1, 1, 1), (1, 0, 1), (3, 1, 2)]
+    g = torch.Generator().manual_seed(0)
+    q, dout = torch.randn(1, 16, 4, 16, generator=g), torch.randn(1, 16, 4, 16, generator=g)
+    k, v = torch.randn(1, 16, 2, 16, generator=g), torch.randn(1, 16, 2, 16, generator=g)
+    run, calls = bench.make_replay(q, k, v, dout, get_kernel("reference", q.device), bench.rank_tasks(4, 0),
+                                   True, 0.25)
+    run()
+    assert calls == [3, 3]
+    run, calls = bench.make_replay(q, k, v, dout, get_kernel("reference", q.device), bench.rank_tasks(2, 1),
+                                   False, 0.25)
+    run()
+    assert calls == [2, 0]

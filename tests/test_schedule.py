@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from lightseq_hf.parallel.schedule import SCHEDULES, build_schedule, required_blocks
+from lightseq_hf.parallel.schedule import SCHEDULES, backward_work, build_schedule, required_blocks
 
 WORLDS = range(1, 17)
 
@@ -84,3 +84,32 @@ def test_bad_arguments():
         build_schedule(4, True, "zigzag")
     with pytest.raises(ValueError, match="world size"):
         build_schedule(0)
+
+
+@pytest.mark.parametrize("world", range(2, 9))
+def test_balanced_backward_is_balanced_and_every_gradient_computed_once(world):
+    """Backward mirrors forward: the same per-rank block work (so within 3%: exactly P/2 each), every
+    block's dq/dk/dv computed once (by whoever computed the block: coverage above), each rank's kernel
+    calls of the same shape at every step, and every gradient computed for another rank added there."""
+    schedule = build_schedule(world, True, "balanced")
+    work = backward_work(schedule)
+    assert [w.blocks for w in work] == [schedule.load(r) for r in range(world)]
+    assert max(w.blocks for w in work) / min(w.blocks for w in work) - 1 <= 0.03
+    assert len({w.shapes for w in work}) == 1  # diagonal, then full blocks, then row halves: same on all
+    assert sum(w.dq_sent for w in work) == sum(w.dq_merged for w in work)
+    assert sum(w.dkv_sent for w in work) == sum(w.dkv_merged for w in work)
+
+
+def test_p4_backward_work_and_gradient_merges():
+    """The numbers behind issue 16's backward analysis at P = 4: every rank 2 block units with the same
+    kernel shapes (a causal diagonal, a full block, half a block's rows); only the float32 gradient
+    merges differ: key owners 0 and 1 add two dk/dv pairs each, ranks 2 and 3 one pair and half a dq,
+    or one and a half dq."""
+    work = backward_work(build_schedule(4, True, "balanced"))
+    assert [w.blocks for w in work] == [2, 2, 2, 2]
+    assert work[0].shapes == ((True, 1), (False, 1), (False, Fraction(1, 2)))
+    assert [w.dkv_merged for w in work] == [2, 2, 1, 0]
+    assert [w.dq_merged for w in work] == [0, 0, Fraction(1, 2), Fraction(3, 2)]
+    assert [w.dkv_sent for w in work] == [0, 1, 2, 2]
+    assert [w.dq_sent for w in work] == [Fraction(3, 2), Fraction(1, 2), 0, 0]
+

@@ -112,6 +112,52 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
     return Schedule(world, True, kind, tuple(steps))
 
 
+@dataclass(frozen=True)
+class BackwardWork:
+    """One rank's share of the backward of a causal :func:`build_schedule` (block units as ``cost``).
+
+    The backward runs the forward's tasks (whoever computed a block computes its gradient, with
+    the global out/lse of its query rows, recomputing the block's probabilities inside the kernel):
+    ``blocks`` is the same cost as the forward's. The gradients of a helped block travel to their
+    owners and are added there in float32: ``dq_merged`` counts the query-chunk fractions and
+    ``dkv_merged`` the key/value chunks (each one dk and one dv) this rank receives and adds;
+    ``dq_sent`` / ``dkv_sent`` what it computes for others. ``shapes``: per step, the kernel call
+    ``(diagonal, query-row fraction)`` (``None``: idle).
+    """
+
+    blocks: Fraction
+    dq_merged: Fraction
+    dkv_merged: int
+    dq_sent: Fraction
+    dkv_sent: int
+    shapes: tuple[tuple[bool, Fraction] | None, ...]
+
+
+def backward_work(schedule: Schedule) -> list[BackwardWork]:
+    """Per rank, the backward's kernel work and gradient traffic of ``schedule`` (pure)."""
+    world = schedule.world
+    blocks = [Fraction(0)] * world
+    dq_merged, dq_sent = [Fraction(0)] * world, [Fraction(0)] * world
+    dkv_merged, dkv_sent = [0] * world, [0] * world
+    shapes: list[list] = [[] for _ in range(world)]
+    for step in schedule.steps:
+        for rank, task in enumerate(step):
+            if task is None:
+                shapes[rank].append(None)
+                continue
+            rows = Fraction(1, task.parts)
+            blocks[rank] += task.cost
+            shapes[rank].append((task.diagonal, rows))
+            if task.q_owner != rank:
+                dq_sent[rank] += rows
+                dq_merged[task.q_owner] += rows
+            if task.kv_owner != rank:
+                dkv_sent[rank] += 1
+                dkv_merged[task.kv_owner] += 1
+    return [BackwardWork(blocks[r], dq_merged[r], dkv_merged[r], dq_sent[r], dkv_sent[r], tuple(shapes[r]))
+            for r in range(world)]
+
+
 def required_blocks(world: int, causal: bool) -> set[tuple[int, int]]:
     """Every (query chunk, key chunk) pair attention needs."""
     return {(i, j) for i in range(world) for j in range(world) if not causal or j <= i}
