@@ -81,9 +81,14 @@ def test_packed_documents_sequence_parallel_matches_one_process(tmp_path: Path) 
     """configs/tiny-text.yaml (text files, documents packed with their boundaries, the default): the
     per-step losses of 2 sequence-parallel processes equal one process's; packing without boundaries
     (``concat``) trains on different targets, so the boundaries really reached the model."""
+    # the test's own documents (one per line), so its numbers do not move with the README the config reads
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(1 + (i * 5) % 9)) for i in range(400)]
+    docs = tmp_path / "docs.txt"
+    docs.write_text("\n".join(lines) + "\n")
     common = ["configs/tiny-text.yaml", "training.device=cpu", "training.max_steps=3", "training.epochs=1",
               "context_length=1024", "model.config.max_position_embeddings=1024", "saving.final=false",
-              "logging.progress_bar=false", "logging.plot=false"]
+              "logging.progress_bar=false", "logging.plot=false", f"data.paths=[{docs}]"]
     _run(["scripts/finetune.py", *common, f"output_dir={tmp_path / 'sp'}"])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     for name, extra in (("one", []), ("concat", ["data.packing=concat"])):
@@ -94,4 +99,5 @@ def test_packed_documents_sequence_parallel_matches_one_process(tmp_path: Path) 
     sp, one, concat = (_train_losses(tmp_path / n) for n in ("sp", "one", "concat"))
     assert sorted(sp) == sorted(one) == [1, 2, 3]
     assert all(sp[s] == pytest.approx(one[s], rel=1e-5) for s in sp), (sp, one)
-    assert abs(concat[1] - one[1]) > 1e-3 * one[1], (concat, one)
+    # without boundaries the targets differ: by far more than the two runs of the same targets do
+    assert max(abs(concat[s] - one[s]) / one[s] for s in one) > 1e-3, (concat, one)
