@@ -83,7 +83,8 @@ def test_packed_documents_sequence_parallel_matches_one_process(tmp_path: Path) 
     (``concat``) trains on different targets, so the boundaries really reached the model."""
     # the test's own documents (one per line), so its numbers do not move with the README the config reads
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
-    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(1 + (i * 5) % 9)) for i in range(400)]
+    lines = [" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(1 + (i * 5) % 9))
+             for i in range(400)]
     docs = tmp_path / "docs.txt"
     docs.write_text("\n".join(lines) + "\n")
     common = ["configs/tiny-text.yaml", "training.device=cpu", "training.max_steps=3", "training.epochs=1",
