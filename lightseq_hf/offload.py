@@ -75,7 +75,7 @@ class HostBufferPool:
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """A host tensor of ``shape``/``dtype`` backed by a pool buffer (contents undefined)."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         free = self._free.get(nbytes)
         buffer = free.pop() if free else self._new(nbytes)
         return buffer.view(dtype).view(shape)

@@ -26,8 +26,6 @@ import gc
 import importlib.util
 import json
 import os
-import statistics
-import time
 import traceback
 from pathlib import Path
 
@@ -41,15 +39,17 @@ TORCH_CP_CPU_SKIP = ("torch's context_parallel shards only the flash, efficient 
 LOGITS_HEAD = 16
 
 
-def _bench_train():
-    """scripts/bench_train.py (model shapes, the model builder, torch CP's set-up), imported."""
-    spec = importlib.util.spec_from_file_location("bench_train", Path(__file__).with_name("bench_train.py"))
+def _sibling(name: str):
+    """Another script of this folder, imported (``bench_train``: model shapes, the model builder,
+    torch CP's set-up; ``bench_packed``: the timing helper)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-bench_train = _bench_train()
+bench_train = _sibling("bench_train")
+timed = _sibling("bench_packed").timed  # median ms after one warm-up; collective: the slowest rank
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,31 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown --impls {', '.join(sorted(unknown))}: choose from {', '.join(IMPLS)}")
     return args
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, reps: int, device: torch.device, collective: bool = True) -> float:
-    """Median milliseconds of ``fn`` after one warm-up; with ``collective`` the ranks start each
-    repetition together and the slowest rank counts."""
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        if collective:
-            dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    if collective:
-        t = torch.tensor(times, device=device if device.type == "cuda" else "cpu", dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times = t.tolist()
-    return statistics.median(times)
 
 
 def build_model(shape, max_len: int, device: torch.device, dtype: torch.dtype):

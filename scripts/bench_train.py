@@ -27,6 +27,7 @@ processes (gloo) as a smoke test.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -174,11 +175,9 @@ def plan_inputs(options: set, shape, n: int, world: int, offload: bool | int = F
     return model_shape, opts
 
 
-#: the offload_checkpoints value the last variant ran with (recorded in its row)
-CHOSEN_OFFLOAD: dict = {}
 
-
-def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False, tile=8192):
+def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False, tile=8192,
+                offload=False):
     """Median step seconds, peak memory (GiB) per rank, loss, the allocator breakdown of the last step
     and each rank's host peak (GiB) of one variant (``preallocate``: AdamW state allocated before the
     first step)."""
@@ -191,8 +190,7 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world, prealloc
     if base in ("remat", "hf"):
         local_kernel = backend if device.type == "cuda" else "auto"
         lightseq_hf.patch_llama(model, checkpointing=base, backend=local_kernel,
-                                offload_checkpoints=CHOSEN_OFFLOAD.setdefault(
-                                    "value", offload_option(options, shape, n, world, device)),
+                                offload_checkpoints=offload,
                                 tiled_mlp=tile if "tiled" in options else None)
         model.gradient_checkpointing_enable()
     else:
@@ -429,10 +427,11 @@ def record(row, rows, rank, meta, path, world) -> None:
 def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=False) -> dict:
     """One variant at one length: a results row (an ``error`` entry when the step failed)."""
     row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
-    CHOSEN_OFFLOAD.clear()
     try:
+        base, options = parse_variant(variant)
+        offload = offload_option(options, shape, n, world, device) if base in ("remat", "hf") else False
         result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world,
-                             preallocate=search, tile=args.tile)
+                             preallocate=search, tile=args.tile, offload=offload)
         sec, peaks, loss, breakdown, host_peaks = result
         flops = model_flops(shape, n)
         row.update(step_s=sec, timed_steps=max(args.steps - 1, 1), includes_warmup=args.steps == 1,
@@ -442,14 +441,12 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
                    mfu=flops / sec / world / PEAK_BF16)
         if peak_measured:
             row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
-        base, options = parse_variant(variant)
         if base in ("remat", "hf") and world > 1:  # the planner's prediction beside the measured peaks
             from lightseq_hf.planner import plan_memory
 
-            offload = CHOSEN_OFFLOAD.get("value", False)
             model_shape, opts = plan_inputs(options, shape, n, world, offload, args.tile)
-            plan = plan_memory(model_shape, opts.__class__(**{**opts.__dict__, "checkpointing": base,
-                                                              "optimizer_state": True}))
+            plan = plan_memory(model_shape,
+                               dataclasses.replace(opts, checkpointing=base, optimizer_state=True))
             row.update(offload_layers=offload, planned_gpu_gib=plan.peak_gpu / 2**30,
                        planned_host_gib=plan.peak_host / 2**30)
     except Exception as err:  # noqa: BLE001 - recorded in the results

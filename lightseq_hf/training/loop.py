@@ -102,6 +102,8 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
     offload = cfg.training.offload_checkpoints
     if offload != "auto":
         return offload
+    if accelerator.device.type != "cuda":
+        return False  # nothing to gain: the "device" is host memory
     from accelerate.utils import DistributedType
 
     from ..memory import memory_budget
@@ -109,8 +111,6 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
 
     world = accelerator.num_processes
     sharding = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "replicated"
-    if accelerator.device.type != "cuda":
-        return False  # nothing to gain: the "device" is host memory
     gpu, host = memory_budget(accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     layers = resolve_auto_offload(cfg, world, sharding, gpu, host)
     if accelerator.is_main_process:
