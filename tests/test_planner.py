@@ -130,3 +130,43 @@ def test_config_keys_and_cli_plan(capsys):
     text = capsys.readouterr().out
     assert "peak device memory per rank" in text and "offloaded_checkpoints" in text
     assert "longest context that fits 139 GiB device and 128 GiB host" in text
+
+
+def test_offload_auto_and_partial_offload(capsys):
+    """offload_checkpoints N keeps the last layers on the device; ``auto`` picks the fewest layers that fit
+    the device (launch: ``resolve_auto_offload``; ``--plan`` prints it) and refuses a host too small."""
+    from lightseq_hf.planner import GIB, ModelShape, PlanOptions, layers_to_offload, plan_memory
+    from lightseq_hf.training.cli import main, resolve_auto_offload
+    from lightseq_hf.training.config import ConfigError, load_config
+
+    shape = ModelShape(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, head_dim=128,
+                       vocab=32000)
+    opts = PlanOptions(context=589824, sp_size=2, world=2, tiled_mlp=8192)
+    by_layers = [plan_memory(shape, PlanOptions(**{**opts.__dict__, "offload_checkpoints": n}))
+                 for n in (0, 8, 24, 32)]
+    gpu = [p.peak_gpu for p in by_layers]
+    host = [p.peak_host for p in by_layers]
+    assert gpu == sorted(gpu, reverse=True) and host == sorted(host) and host[0] == 0
+    assert host[3] == 4 * host[1]  # the host holds exactly the offloaded layers' checkpoints
+    n = layers_to_offload(shape, opts, 132 * GIB, 110 * GIB)
+    assert n == 24  # as measured on 2 x H200 at 576K (benchmarks/results/maxctx-h200-x2-2026-11-22.json)
+    def peak(layers):
+        return plan_memory(shape, PlanOptions(**{**opts.__dict__, "offload_checkpoints": layers})).peak_gpu
+
+    assert peak(n) <= 132 * GIB < peak(n - 1)
+
+    config = ROOT / "configs/llama2-7b-64k.yaml"
+    cfg = load_config(config, ["context_length=589824", "training.tiled_mlp=8192",
+                               "training.offload_checkpoints=auto"])
+    assert resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 110 * GIB) == 24
+    with pytest.raises(ConfigError, match="do not fit 50 GiB of host memory per rank"):
+        resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 50 * GIB)
+    argv = [str(config), "context_length=589824", "training.tiled_mlp=8192",
+            "training.offload_checkpoints=auto",
+            "--plan", "--world", "2", "--gpu-gib", "132", "--host-gib", "110"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "offload_checkpoints auto: 24 of 32 layers offloaded at this context" in text
+    assert "longest context that fits 132 GiB device and 110 GiB host memory per rank: 589824" in text
+    with pytest.raises(ConfigError, match="offload_checkpoints"):
+        load_config(config, ["training.offload_checkpoints=-1"])
