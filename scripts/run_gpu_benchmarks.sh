@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
 # Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|
-#                                                  prefill|x4|maxctx-*|all]
+#                                                  prefill|x4|x4-train|maxctx-*|all]
 #   tests        the GPU test modules
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
@@ -24,7 +24,9 @@
 #                bench_dist_attn 32K-256K (cuDNN, both head layouts, ablations, per-rank compute and replay,
 #                a 64K trace), prefill on one GPU (32K-128K) and on all GPUs (32K-256K), and the 256K
 #                per-rank compute again with the ranks on the GPUs in reverse order (slow GPU or slow rank?)
-# (prefill and x4 are not part of all)
+#   x4-train     issue 16's training half on 4 GPUs (<= 9.5 min): bench_dist_attn 32K-256K as in x4 (X4_DIST=0
+#                skips it), then Llama-2-7B training steps at TRAIN_SEQS (128K and 256K), ours (remat) against torch CP
+# (prefill, x4 and x4-train are not part of all)
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +146,27 @@ if [[ $part == x4 ]]; then
     --seqs 262144 --heads 32/32 --reps 3 --no-torch-cp --no-single --no-ablations --replay \
     --device-order reversed --tag reversed-gpus --out "$out" 2>&1 | quiet
   summary "$out/dist-*-x$gpus-*-reversed-gpus.json"
+  step "done"
+fi
+if [[ $part == x4-train ]]; then
+  # dist ~170 s; a 7B step with set-up: 128K ~45 s per variant, 256K ~110 s (issue 16: 37.8 / 46.4 s a step).
+  # X4_DIST=0 skips step 1; TRAIN_SEQS picks the lengths; BUDGET_S bounds the part (default 560 s).
+  deadline=$((SECONDS + ${BUDGET_S:-560}))
+  limit() { local rest=$((deadline - SECONDS)); (( rest < $1 )) && echo $(( rest > 5 ? rest : 5 )) || echo "$1"; }
+  step() { echo "[x4-train $(date +%T), ${SECONDS}s] $*"; }
+  if [[ ${X4_DIST:-1} != 0 ]]; then
+    step "bench_dist_attn 32K-256K: cuDNN, both head layouts, ablations, compute-only and replay per rank, 64K trace"
+    run timeout "$(limit 220)" torchrun --nproc_per_node "$gpus" scripts/bench_dist_attn.py --backends sdpa_cudnn \
+      --seqs 32768,65536,131072,262144 --reps 3 --replay --trace --trace-seq 65536 --out "$out" 2>&1 | quiet
+    summary "$out/dist-*-x$gpus-*[0-9].json"
+    wait_idle
+  fi
+  for n in ${TRAIN_SEQS:-131072 262144}; do
+    step "Llama-2-7B training steps at $((n / 1024))K: remat, torch CP"
+    train "$(limit $(( n > 131072 ? 240 : 150 )))" "$gpus" --seqs "$n" --variants remat,torch_cp --steps 2 \
+      --tag "$((n / 1024))k" --out "$out"
+    wait_idle
+  done
   step "done"
 fi
 

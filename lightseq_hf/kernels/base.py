@@ -25,9 +25,9 @@ backward(dout, q, k, v, out, lse, *, causal, scale, delta=None,
     ``out`` and ``lse`` are the *global* results of the query rows (over every key
     chunk), so gradients of all chunks add up to the full gradient. ``delta`` is
     ``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)``; computed from ``out``
-    when not given (``out`` may be ``None`` when ``delta`` is given). Returns float32
-    gradients; when ``dq``/``dk``/``dv`` (float32) are given, the chunk's gradients are
-    added into them in place.
+    when not given (``out`` may be ``None`` when ``delta`` is given). When ``dq``/``dk``/``dv``
+    (float32) are given, the chunk's gradients are added into them in place; the others are
+    returned in float32, or in the input dtype by backends that compute them in it (SDPA).
 """
 
 from __future__ import annotations
@@ -153,5 +153,5 @@ def merge_into(
     safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(part_lse.to(lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(part_out.to(out.dtype) * w_new)
+    out.mul_(w_old).addcmul_(part_out, w_new)  # part_out may be in a lower precision (bf16 on the wire)
     lse.copy_(new_lse)

@@ -105,14 +105,14 @@ class SdpaKernel:
             grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
                 dot, qt, kt, vt, ot, lse, None, None, lq, k.shape[1], 0.0, causal, empty, empty, scale=scale
             )
-        gq = grads[0].transpose(1, 2)
-        gk = grads[1].transpose(1, 2).reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32)
-        gv = grads[2].transpose(1, 2).reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32)
+        gq, gk, gv = (g.transpose(1, 2) for g in grads[:3])
+        if h != hk:  # each key/value head's gradient sums over its group of query heads, in float32
+            gk, gv = (g.reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32) for g in (gk, gv))
         result = []
         for given, computed in ((dq, gq), (dk, gk), (dv, gv)):
             if given is None:
-                result.append(computed.float())
+                result.append(computed)  # the input dtype (float32 for GQA key/value heads)
             else:
-                given += computed
+                given += computed  # one pass: bf16 read, float32 accumulate
                 result.append(given)
         return tuple(result)

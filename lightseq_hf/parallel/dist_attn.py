@@ -6,10 +6,10 @@ ship the partial results of step ``t - 1`` to their owners, so at most one remot
 key/value (or query) chunk and one prefetch buffer are alive at a time.
 
 Forward keeps a float32 running (out, lse) per rank, which the local kernel updates in
-place for the rank's own query rows; a helper computes a partial result into fresh
-buffers and sends it back, where it is merged. Backward mirrors the forward: whoever
-computed a block computes its gradient, dq goes to the query owner and dk/dv to the
-key owner, all accumulated in float32.
+place for the rank's own query rows; a helper computes a partial result and sends it
+back (out in the input dtype, lse in float32), where it is merged in float32. Backward
+mirrors the forward: whoever computed a block computes its gradient, dq goes to the
+query owner and dk/dv to the key owner (in the input dtype), all accumulated in float32.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def _rows(t: torch.Tensor, task: Task, seq_dim: int) -> torch.Tensor:
     return t.narrow(seq_dim, start, stop - start)
 
 
-def _buffer_like(x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _buffer_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
 
 
 def _run_steps(
@@ -148,6 +148,7 @@ def dist_attn_forward(
     """
     out, lse = empty_running(q)
     chunk = q.shape[1]
+    fresh = [True]  # no own task has written the running (out, lse) yet
 
     def q_rows(task: Task) -> Bundle:
         return {"q": _rows(q, task, 1)}
@@ -162,11 +163,19 @@ def dist_attn_forward(
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
         mask = _kernel_mask(task, ranges, chunk)
         if task.q_owner == rank:
-            kernel.forward(qt, kt, vt, scale=scale, out=_rows(out, task, 1), lse=_rows(lse, task, 2), **mask)
+            if fresh[0] and task.rows(chunk) == (0, chunk):  # nothing to merge with: copy
+                part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
+                out.copy_(part_out)
+                lse.copy_(part_lse)
+            else:
+                kernel.forward(qt, kt, vt, scale=scale, out=_rows(out, task, 1), lse=_rows(lse, task, 2),
+                               **mask)
+            fresh[0] = False
             return None
-        part_out, part_lse = empty_running(qt)
-        kernel.forward(qt, kt, vt, scale=scale, out=part_out, lse=part_lse, **mask)
-        return {"out": part_out, "lse": part_lse}
+        # A helper's partial result travels in the input dtype (lse in the running precision) and is
+        # merged in float32 by the query owner.
+        part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
+        return {"out": part_out.to(q.dtype), "lse": part_lse.to(lse.dtype)}
 
     def plan_results(t: int, produced: Bundle | None):
         transfers, merges = Transfers(), []
@@ -177,7 +186,7 @@ def dist_attn_forward(
         for peer, task in enumerate(step):
             if peer != rank and task is not None and task.q_owner == rank:
                 rows_out, rows_lse = _rows(out, task, 1), _rows(lse, task, 2)
-                buf_out, buf_lse = _buffer_like(rows_out), _buffer_like(rows_lse)
+                buf_out, buf_lse = _buffer_like(rows_out, q.dtype), _buffer_like(rows_lse)
                 transfers.recvs += [(peer, buf_out), (peer, buf_lse)]
                 merges.append(lambda o=rows_out, s=rows_lse, bo=buf_out, bs=buf_lse: merge_into(o, s, bo, bs))
         return transfers, merges
@@ -252,7 +261,12 @@ def dist_attn_backward(
             dk=dk if own_kv else None,
             dv=dv if own_kv else None,
         )
-        return {"dq": grads[0], "dk": grads[1], "dv": grads[2]}
+        # gradients for another rank travel in the input dtype and are added in float32 there
+        return {
+            "dq": None if own_q else grads[0].to(q.dtype),
+            "dk": None if own_kv else grads[1].to(k.dtype),
+            "dv": None if own_kv else grads[2].to(v.dtype),
+        }
 
     def plan_results(t: int, produced: Bundle | None):
         transfers, merges = Transfers(), []
@@ -268,11 +282,11 @@ def dist_attn_backward(
                 continue
             if task.q_owner == rank:
                 target = _rows(dq, task, 1)
-                buf = _buffer_like(target)
+                buf = _buffer_like(target, q.dtype)
                 transfers.recvs.append((peer, buf))
                 merges.append(lambda x=target, b=buf: x.add_(b))
             if task.kv_owner == rank:
-                bk, bv = torch.empty_like(dk), torch.empty_like(dv)
+                bk, bv = _buffer_like(dk, k.dtype), _buffer_like(dv, v.dtype)
                 transfers.recvs += [(peer, bk), (peer, bv)]
                 merges.append(lambda b=bk: dk.add_(b))
                 merges.append(lambda b=bv: dv.add_(b))
