@@ -292,14 +292,19 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         shard = ctx.shard
         grad = pad_to_multiple(grad.contiguous(), shard.world, dim=1)
-        if dist.get_backend(ctx.group) == "nccl":
-            chunks = grad.movedim(1, 0).reshape(shard.world, shard.local_len, grad.shape[0], *grad.shape[2:])
-            mine = torch.empty_like(chunks[0])
-            dist.reduce_scatter_tensor(mine, chunks.contiguous(), group=ctx.group)
-            return mine.movedim(0, 1).contiguous(), None, None
-        grad = grad.clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad.narrow(1, shard.start, shard.local_len).contiguous(), None, None
+        chunks = grad.movedim(1, 0).reshape(shard.world, shard.local_len, grad.shape[0], *grad.shape[2:])
+        # a fresh contiguous output: empty_like(chunks[0]) would keep the permuted strides of the
+        # movedim view while the collective writes the slice in row-major order
+        mine = torch.empty(chunks.shape[1:], dtype=grad.dtype, device=grad.device)
+        try:
+            dist.reduce_scatter_tensor(mine, chunks.reshape(-1, *mine.shape[1:]), group=ctx.group)
+        except RuntimeError as err:  # a backend without reduce-scatter (older gloo): sum all, keep ours
+            if "support" not in str(err).lower():
+                raise
+            grad = grad.clone()
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+            return grad.narrow(1, shard.start, shard.local_len).contiguous(), None, None
+        return mine.movedim(0, 1).contiguous(), None, None
 
 
 def gather_sequence(
