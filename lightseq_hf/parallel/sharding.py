@@ -292,12 +292,12 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         shard = ctx.shard
         grad = pad_to_multiple(grad.contiguous(), shard.world, dim=1)
-        chunks = grad.movedim(1, 0).reshape(shard.world, shard.local_len, grad.shape[0], *grad.shape[2:])
-        # a fresh contiguous output: empty_like(chunks[0]) would keep the permuted strides of the
-        # movedim view while the collective writes the slice in row-major order
-        mine = torch.empty(chunks.shape[1:], dtype=grad.dtype, device=grad.device)
+        # sequence-major and contiguous: rank r's slice is rows [r * local_len, (r + 1) * local_len).
+        # NCCL reads and writes raw row-major memory, so neither side may be a permuted view.
+        by_position = grad.movedim(1, 0).contiguous()
+        mine = torch.empty((shard.local_len, *by_position.shape[1:]), dtype=grad.dtype, device=grad.device)
         try:
-            dist.reduce_scatter_tensor(mine, chunks.reshape(-1, *mine.shape[1:]), group=ctx.group)
+            dist.reduce_scatter_tensor(mine, by_position, group=ctx.group)
         except RuntimeError as err:  # a backend without reduce-scatter (older gloo): sum all, keep ours
             if "support" not in str(err).lower():
                 raise
