@@ -96,4 +96,55 @@ def install(padded_lse: bool = False, setattr_=setattr) -> Emulation:
     setattr_(flash_varlen, "varlen_backward", emu.backward)
     setattr_(flash_varlen, "usable", lambda device: True)
     setattr_(flash_varlen, "_lse_padded", {})
+    flash_varlen.lse_is_padded(torch.device("cpu"))  # probe the layout now: later calls are the tests'
+    emu.calls.clear()
     return emu
+
+
+def distributed_check(rank: int, world: int) -> list[str]:
+    """In a spawned gloo worker: ``dist_flash_attn(backend="flash_varlen")`` over packed rows (emulated op,
+    float64) against the per-document reference, and one varlen call per scheduled task of this rank."""
+    from doc_reference import per_document_attention, random_docs
+
+    import lightseq_hf
+    from lightseq_hf.parallel.segment_schedule import build_segment_schedule
+    from lightseq_hf.parallel.segments import Segments
+
+    emu = install()
+    n_local = 16
+    n = n_local * world
+    gen = torch.Generator().manual_seed(90 + world)
+    mixed = random_docs(gen, 2, n, max_len=20)
+    padded = random_docs(gen, 1, n, pad_left=True, pad_right=True, max_len=11)[0]
+    cases = [("random lengths", mixed, True), ("non-causal", mixed, False),
+             ("padding + all-padding row", (padded, ()), True),
+             ("one document", (((0, n),), ((1, n),)), True)]
+    failures = []
+    sl = slice(rank * n_local, (rank + 1) * n_local)
+    for i, (name, docs, causal) in enumerate(cases):
+        g = torch.Generator().manual_seed(300 + i)
+        batch = len(docs)
+        q, dout = (torch.randn(batch, n, 4, 8, generator=g, dtype=torch.float64) for _ in "qd")
+        k, v = (torch.randn(batch, n, 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = per_document_attention(qr, kr, vr, docs, causal=causal)
+        ref_out.backward(dout)
+        refs = (ref_out[:, sl], ref_lse[:, :, sl], qr.grad[:, sl], kr.grad[:, sl], vr.grad[:, sl])
+        qs, ks, vs = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
+        seg = Segments(n, docs)
+        emu.calls.clear()
+        out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, causal=causal,
+                                               backend="flash_varlen", return_lse=True)
+        out.backward(dout[:, sl])
+        got = (out, lse, qs.grad, ks.grad, vs.grad)
+        for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
+            x, ref = x.detach(), ref.detach()
+            finite = torch.isfinite(ref)
+            err = float((x[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
+            if not (torch.equal(finite, torch.isfinite(x)) and err < 1e-10):
+                failures.append(f"flash_varlen world {world} rank {rank} [{name}]: {label} err {err:.2e}")
+        mine = sum(step[rank] is not None for step in build_segment_schedule(world, seg, causal).steps)
+        ops = [c[0] for c in emu.calls]
+        if ops.count("forward") != mine or ops.count("backward") != mine:
+            failures.append(f"flash_varlen world {world} rank {rank} [{name}]: {ops} for {mine} tasks")
+    return failures
