@@ -57,9 +57,9 @@ class Emulation:
             for i, (a, b, _, _) in enumerate(blocks):
                 padded[i, :, :b - a] = lse[:, a:b]
             lse = padded
-        return out, lse
+        return out, lse, None, None
 
-    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused):
         blocks = _blocks(cu_q, cu_k)
         self.calls.append(("backward", len(blocks), causal, q.shape[0], k.shape[0]))
         h, hk = q.shape[1], k.shape[1]
@@ -95,7 +95,7 @@ def install(padded_lse: bool = False, setattr_=setattr) -> Emulation:
     setattr_(flash_varlen, "varlen_forward", emu.forward)
     setattr_(flash_varlen, "varlen_backward", emu.backward)
     setattr_(flash_varlen, "usable", lambda device: True)
-    setattr_(flash_varlen, "_lse_padded", {})
+    setattr_(flash_varlen, "_probed", {})
     flash_varlen.lse_is_padded(torch.device("cpu"))  # probe the layout now: later calls are the tests'
     emu.calls.clear()
     return emu

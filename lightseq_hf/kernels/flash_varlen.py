@@ -149,8 +149,8 @@ def check_flash_inputs(q: torch.Tensor) -> None:
 
 
 def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """``(out, lse)`` of the varlen op: ``q`` ``(total_q, heads, dim)``, ``k``/``v`` ``(total_k, kv_heads,
-    dim)``.
+    """``(out, lse, rng_state, unused)`` of the varlen op: ``q`` ``(total_q, heads, dim)``, ``k``/``v``
+    ``(total_k, kv_heads, dim)``.
 
     The lse is ``(heads, total_q)`` (torch builds with FlashAttention >= 2.5's unpadded lse, which the
     lead's torch 2.11 is expected to be) or ``(blocks, heads, max_q)`` (older builds); callers detect which
@@ -160,33 +160,37 @@ def varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     res = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale
     )
-    return res[0], res[1]
+    return res[0], res[1], res[2], res[3]
 
 
-def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-    """``(dq, dk, dv)`` of the varlen op (in the input dtype); ``lse`` in the layout the forward returns."""
+def varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused):
+    """``(dq, dk, dv)`` of the varlen op (in the input dtype); ``lse`` in the layout the forward returns;
+    ``rng``/``unused``: the placeholders a forward without dropout returned (never read without dropout;
+    passing the forward's own keeps their dtype and device what this torch build expects)."""
     check_flash_inputs(q)
-    # No dropout: the rng state is never read (the forward returns empty ones too).
-    rng = torch.empty(2, dtype=torch.int64, device=q.device)
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)
     res = torch.ops.aten._flash_attention_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng, unused, scale=scale
     )
     return res[0], res[1], res[2]
 
 
-_lse_padded: dict[str, bool] = {}
+#: per device: (lse in the padded layout?, the forward's rng_state and unused placeholders), probed once
+_probed: dict[str, tuple[bool, torch.Tensor | None, torch.Tensor | None]] = {}
+
+
+def _probe(device: torch.device) -> tuple[bool, torch.Tensor | None, torch.Tensor | None]:
+    key = str(device)
+    if key not in _probed:
+        x = torch.zeros(4, 1, 8, dtype=torch.float16, device=device)
+        cu = torch.tensor([0, 1, 4], dtype=torch.int32, device=device)
+        _, lse, rng, unused = varlen_forward(x, x, x, cu, cu, 3, 3, True, 1.0)
+        _probed[key] = (lse.dim() == 3, rng, unused)
+    return _probed[key]
 
 
 def lse_is_padded(device: torch.device) -> bool:
     """Whether the varlen ops on ``device`` use the ``(blocks, heads, max_q)`` lse layout (probed once)."""
-    key = str(device)
-    if key not in _lse_padded:
-        x = torch.zeros(4, 1, 8, dtype=torch.float16, device=device)
-        cu = torch.tensor([0, 1, 4], dtype=torch.int32, device=device)
-        _, lse = varlen_forward(x, x, x, cu, cu, 3, 3, True, 1.0)
-        _lse_padded[key] = lse.dim() == 3
-    return _lse_padded[key]
+    return _probe(device)[0]
 
 
 _usable: dict[str, bool] = {}
@@ -349,7 +353,7 @@ class FlashVarlenKernel:
         if blocks.num_blocks == 0:
             return out, lse
         qg, kg, vg = _gather(q, blocks.q_rows), _gather(k, blocks.k_rows), _gather(v, blocks.k_rows)
-        o, op_lse = varlen_forward(qg, kg, vg, blocks.cu_q, blocks.cu_k, blocks.max_q, blocks.max_k,
+        o, op_lse, _, _ = varlen_forward(qg, kg, vg, blocks.cu_q, blocks.cu_k, blocks.max_q, blocks.max_k,
                                    blocks.causal, scale)
         rows_lse = _lse_rows(op_lse, blocks)
         rows = _RowMap(blocks.q_rows, b, lq, q.device)
@@ -406,10 +410,10 @@ class FlashVarlenKernel:
         dog, og = _gather(dout.to(q.dtype), blocks.q_rows), _gather(out.to(q.dtype), blocks.q_rows)
         rows = _RowMap(blocks.q_rows, b, lq, q.device)
         rows_lse = _acc(rows.take_lse(lse))
-        padded = lse_is_padded(q.device)
+        padded, rng, unused = _probe(q.device)
         op_lse = _lse_for_op(rows_lse, blocks, padded)
         gq, gk, gv = varlen_backward(dog, qg, kg, vg, og, op_lse, blocks.cu_q, blocks.cu_k, blocks.max_q,
-                                     blocks.max_k, blocks.causal, scale)
+                                     blocks.max_k, blocks.causal, scale, rng, unused)
         rows.put(grads[0], gq.to(acc), accumulate=True)
         key_rows = _RowMap(blocks.k_rows, k.shape[0], k.shape[1], q.device)
         key_rows.put(grads[1], gk.to(acc), accumulate=True)

@@ -57,7 +57,7 @@ def test_lse_layout_probe_matches_the_op():
     padded = flash_varlen.lse_is_padded(dev)
     x = torch.randn(7, 2, 64, device=dev, dtype=torch.bfloat16)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=dev)
-    _, lse = flash_varlen.varlen_forward(x, x, x, cu, cu, 4, 4, True, 0.125)
+    _, lse, _, _ = flash_varlen.varlen_forward(x, x, x, cu, cu, 4, 4, True, 0.125)
     assert tuple(lse.shape) == ((2, 2, 4) if padded else (2, 7)), (padded, tuple(lse.shape))
     layout = "(blocks, heads, max_q)" if padded else "(heads, total)"
     print(f"torch {torch.__version__}: varlen lse layout {layout}")
