@@ -243,7 +243,10 @@ class _RowMap:
         """Write (or add) ``(total, H, D)`` values into the rows of ``(batch, length, H, D)`` ``x``."""
         if self.view is not None:
             dst = x[self.view[0], self.view[1]]
-            dst.add_(values) if accumulate else dst.copy_(values)
+            if accumulate:
+                dst.add_(values)
+            else:
+                dst.copy_(values)
         else:
             x.index_put_((self.batch_idx, self.pos_idx), values.to(x.dtype), accumulate=accumulate)
 
