@@ -8,24 +8,28 @@ Launch with torchrun, one process per GPU (multicast off on shared machines)::
 Each row of ``--seqs`` tokens is packed from documents of a log-normal length mix (median 2K,
 at most 32K, fixed seed; the last document is cut to fit). Rows, forward+backward, bf16:
 
-- ``packed_ours``: ``dist_flash_attn(segments=...)`` (Triton kernel with document masks, the
-  segment schedule, one key/value shard per GPU, overlapped transfers);
-- ``packed_compute_only``: the same without transfers, timed on each rank alone: per-rank busy
+- ``packed_ours``: ``dist_flash_attn(segments=...)`` (the segment schedule, one key/value shard per GPU,
+  overlapped transfers), once per local kernel of ``--packed-backends`` (each row tagged ``backend``):
+  ``flash_varlen`` (torch's FlashAttention-2 varlen op, one call per task for all its documents; when the
+  op runs on the GPU) and ``triton`` (our kernels with per-row key ranges);
+- ``packed_compute_only``: the same without transfers (per backend), timed on each rank alone: per-rank busy
   time (``busy_spread`` = slowest / fastest - 1), with the schedule that ran and its modeled
   per-rank cost (``scripts/schedule_table.py --model-check`` compares the two);
 - ``unpacked_ours_<backend>``: the same tokens as one causal sequence (what a run that cannot pack
   computes), ours with the cuDNN and Triton kernels; ``torch_cp``: torch context parallel (ring
   attention over SDPA cuDNN, head-tail balancing) on that sequence;
 - ``allgather_varlen``: the all-gather varlen ring of ring-flash-attention's ``llama3`` mode and
-  torchtitan: every rank all-gathers all keys/values, attends its queries with the same Triton
-  document-mask kernel, and reduce-scatters dk/dv;
+  torchtitan: every rank all-gathers all keys/values, attends its queries with the Triton
+  document-mask kernel (it needs per-row key ranges), and reduce-scatters dk/dv;
 - ``padded_docs`` (derived, not timed): each document padded to the full row, as a run without
   packing does: number of documents x the measured ``unpacked_ours`` time of one row.
 
 Every row reports ms (slowest rank), ms per real token, and peak memory per rank. Before timing,
-an exactness check on 16K tokens compares ours on all ranks with a per-document float32 reference
-(SDPA per document) and with the same kernel on one GPU; ``summary.exact`` is true only when it
-passed. Results: ``benchmarks/results/packed-<device>-x<P>-<date>.json``.
+an exactness check on 16K tokens compares ours (every packed backend) on all ranks with a per-document
+float32 reference (SDPA per document) and with the same kernel on one GPU; ``summary.exact`` is true only
+when it passed for every backend. The summary's keys are those of the fastest packed backend per length
+(``packed_backend``), with ``packed_<other>_over_packed`` for the others. Results:
+``benchmarks/results/packed-<device>-x<P>-<date>.json``.
 
 ``--device cpu`` runs the same code on gloo with the reference kernel and tiny sizes (a smoke test).
 """
@@ -68,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--no-torch-cp", action="store_true")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--packed-backends", default="auto",
+                   help="local kernels of the packed rows, comma-separated (auto: flash_varlen,triton on a "
+                        "GPU whose torch has the varlen op, else triton; reference on the CPU)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     return p.parse_args(argv)
@@ -260,8 +267,10 @@ def per_document_reference(q, k, v, dout, docs):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def exactness_check(args, device, backend, solo_group) -> dict:
-    """Ours on every rank against a per-document float32 reference and the same kernel on one device."""
+def exactness_check(args, device, backends, ranged_backend, solo_group) -> dict:
+    """Ours (each of ``backends``) on every rank against a per-document float32 reference and the same
+    kernel on one device; the all-gather baseline with ``ranged_backend``. Top-level ``out``/``dq``/...
+    are the first backend's; ``per_backend`` holds each."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n = args.check_seq
     h, hk = (int(x) for x in args.heads.split("/"))
@@ -276,29 +285,35 @@ def exactness_check(args, device, backend, solo_group) -> dict:
     local = n // world
     sl = slice(rank * local, (rank + 1) * local)
 
-    def run(qq, kk, vv, dd, group):
+    def run(qq, kk, vv, dd, group, backend):
         qq, kk, vv = (t.clone().requires_grad_() for t in (qq, kk, vv))
         out = lightseq_hf.dist_flash_attn(qq, kk, vv, segments=seg, backend=backend, group=group)
         out.backward(dd)
         return out.detach(), qq.grad, kk.grad, vv.grad
 
-    ours = run(q[:, sl], k[:, sl], v[:, sl], dout[:, sl], None)
-    single = run(q, k, v, dout, solo_group)
     qa, ka, va = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
-    out_ag = allgather_varlen(seg, backend, device)(qa, ka, va)
+    out_ag = allgather_varlen(seg, ranged_backend, device)(qa, ka, va)
     out_ag.backward(dout[:, sl])
     gathered = (out_ag.detach(), qa.grad, ka.grad, va.grad)
-    result = {"seq": n, "heads": h, "kv_heads": hk, "docs": len(docs), "dtype": str(dtype), "passed": True}
-    for name, x, s, a, r in zip(("out", "dq", "dk", "dv"), ours, single, gathered, ref):
-        err, ag_err = rel_err(x, r[:, sl]), rel_err(a, r[:, sl])
-        single_err = rel_err(s[:, sl], r[:, sl])
-        bound = 2 * single_err + 1e-3  # distributed within twice the one-device error
-        ok = err <= bound and single_err <= 3e-2
-        result[name] = {"rel_err_per_rank": per_rank(err, device), "single_device_rel_err": single_err,
-                        "bound": bound, "allgather_varlen_rel_err_per_rank": per_rank(ag_err, device)}
-        ok_all = torch.tensor([int(ok)], device=device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
-        result["passed"] = result["passed"] and bool(ok_all.item())
+    result = {"seq": n, "heads": h, "kv_heads": hk, "docs": len(docs), "dtype": str(dtype), "passed": True,
+              "backends": list(backends), "per_backend": {}}
+    for backend in backends:
+        ours = run(q[:, sl], k[:, sl], v[:, sl], dout[:, sl], None, backend)
+        single = run(q, k, v, dout, solo_group, backend)
+        mine: dict = {"passed": True}
+        for name, x, s, a, r in zip(("out", "dq", "dk", "dv"), ours, single, gathered, ref):
+            err, ag_err = rel_err(x, r[:, sl]), rel_err(a, r[:, sl])
+            single_err = rel_err(s[:, sl], r[:, sl])
+            bound = 2 * single_err + 1e-3  # distributed within twice the one-device error
+            ok = err <= bound and single_err <= 3e-2
+            mine[name] = {"rel_err_per_rank": per_rank(err, device), "single_device_rel_err": single_err,
+                          "bound": bound, "allgather_varlen_rel_err_per_rank": per_rank(ag_err, device)}
+            ok_all = torch.tensor([int(ok)], device=device if dist.get_backend() == "nccl" else "cpu")
+            dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
+            mine["passed"] = mine["passed"] and bool(ok_all.item())
+        result["per_backend"][backend] = mine
+        result["passed"] = result["passed"] and mine["passed"]
+    result.update({name: result["per_backend"][backends[0]][name] for name in ("out", "dq", "dk", "dv")})
     return result
 
 
@@ -316,10 +331,19 @@ def summarize(rows: list[dict], check: dict | None) -> dict:
     summary: dict = {"per_seq": {}}
     spreads = []
     for seq in sorted({r["seq"] for r in rows}):
-        packed = ms("packed_ours", seq)
+        packed_by = {r.get("backend"): r["ms"] for r in rows
+                     if r.get("impl") == "packed_ours" and r.get("seq") == seq and "ms" in r}
+        fastest = min(packed_by, key=packed_by.get) if packed_by else None
+        packed = packed_by.get(fastest)
         entry = {}
+        if fastest is not None:
+            entry["packed_backend"] = fastest
+            for other, other_ms in packed_by.items():
+                if other != fastest:
+                    entry[f"packed_{other}_over_packed"] = other_ms / packed
         for r in rows:
-            if r.get("impl") == "packed_compute_only" and r.get("seq") == seq and "per_rank_ms" in r:
+            if (r.get("impl") == "packed_compute_only" and r.get("seq") == seq and "per_rank_ms" in r
+                    and (fastest is None or r.get("backend") == fastest)):
                 busy = r["per_rank_ms"]
                 entry["busy_spread"] = max(busy) / min(busy) - 1 if min(busy) > 0 else None
                 if entry["busy_spread"] is not None:
@@ -340,7 +364,8 @@ def summarize(rows: list[dict], check: dict | None) -> dict:
     return summary
 
 
-def bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, record) -> tuple[dict, int]:
+def bench_seq(args, seq, device, dtype, packed_backends, ranged_backend, unpacked_backends,
+              record) -> tuple[dict, int]:
     """Every row of one packed length."""
     rank, world = dist.get_rank(), dist.get_world_size()
     h, hk = (int(x) for x in args.heads.split("/"))
@@ -355,15 +380,15 @@ def bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, recor
     dout = torch.randn_like(q)
     base = {"seq": seq, "docs": len(docs), "longest_doc": max(b - a for a, b in docs)}
 
-    def run_row(impl, attn):
+    def run_row(impl, attn, **tags):
         try:
             fn = fwd_bwd(attn, q, k, v, dout)
             ms = timed(fn, reps, device)
             peak = peak_gib(fn, device)
-            record({**base, "impl": impl, "ms": ms, "ms_per_real_token": ms / seq, "peak_gib": peak})
+            record({**base, "impl": impl, **tags, "ms": ms, "ms_per_real_token": ms / seq, "peak_gib": peak})
             return ms
         except Exception:  # noqa: BLE001 - recorded in the results
-            record({**base, "impl": impl, "error": traceback.format_exc(limit=4)})
+            record({**base, "impl": impl, **tags, "error": traceback.format_exc(limit=4)})
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             return None
@@ -372,19 +397,21 @@ def bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, recor
         return lambda a, b, c: lightseq_hf.dist_flash_attn(a, b, c, segments=segments, backend=backend,
                                                            check_shapes=False)
 
-    run_row("packed_ours", ours(seg, packed_backend))
-    try:
-        set_transfer_mode("compute_only")
-        alone = timed(fwd_bwd(ours(seg, packed_backend), q, k, v, dout), reps, device, collective=False)
-        busy = per_rank(alone, device)
-        record({**base, "impl": "packed_compute_only", "ms": max(busy), "per_rank_ms": busy,
-                **schedule_record(seg, world)})
-    except Exception:  # noqa: BLE001
-        record({**base, "impl": "packed_compute_only", "error": traceback.format_exc(limit=4)})
-    finally:
-        set_transfer_mode("overlap")
+    for packed_backend in packed_backends:
+        run_row("packed_ours", ours(seg, packed_backend), backend=packed_backend)
+        try:
+            set_transfer_mode("compute_only")
+            alone = timed(fwd_bwd(ours(seg, packed_backend), q, k, v, dout), reps, device, collective=False)
+            busy = per_rank(alone, device)
+            record({**base, "impl": "packed_compute_only", "backend": packed_backend, "ms": max(busy),
+                    "per_rank_ms": busy, **schedule_record(seg, world)})
+        except Exception:  # noqa: BLE001
+            record({**base, "impl": "packed_compute_only", "backend": packed_backend,
+                    "error": traceback.format_exc(limit=4)})
+        finally:
+            set_transfer_mode("overlap")
     unpacked = {b: run_row(f"unpacked_ours_{b}", ours(None, b)) for b in unpacked_backends}
-    run_row("allgather_varlen", allgather_varlen(seg, packed_backend, device))
+    run_row("allgather_varlen", allgather_varlen(seg, ranged_backend, device), backend=ranged_backend)
     fastest = min((x for x in unpacked.values() if x), default=None)
     if fastest:
         ms = fastest * len(docs)
@@ -413,6 +440,18 @@ def bench_torch_cp(args, seq, device, base, reps, record) -> None:
         record({**base, "impl": "torch_cp", "error": traceback.format_exc(limit=4)})
 
 
+def packed_backend_list(spec: str, device: torch.device) -> list[str]:
+    """The packed rows' backends: ``auto`` is flash_varlen (when torch's varlen op runs here) and triton on
+    a GPU, the reference kernel on the CPU."""
+    if spec != "auto":
+        return [b.strip() for b in spec.split(",") if b.strip()]
+    if device.type != "cuda":
+        return ["reference"]
+    from lightseq_hf.kernels import flash_varlen
+
+    return ["flash_varlen", "triton"] if flash_varlen.usable(device) else ["triton"]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -423,13 +462,14 @@ def main(argv=None) -> None:
         device = torch.device("cuda", local_rank)
         if owns_group:
             dist.init_process_group("nccl", device_id=device)
-        packed_backend, unpacked_backends = "triton", ("sdpa_cudnn", "triton")
+        ranged_backend, unpacked_backends = "triton", ("sdpa_cudnn", "triton")
         dtype = torch.bfloat16
     else:
         if owns_group:
             dist.init_process_group("gloo")
-        packed_backend, unpacked_backends = "reference", ("reference",)
+        ranged_backend, unpacked_backends = "reference", ("reference",)
         dtype = torch.float32
+    packed_backends = packed_backend_list(args.packed_backends, device)
     rank, world = dist.get_rank(), dist.get_world_size()
     solo_group = [dist.new_group([r]) for r in range(world)][rank]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -440,7 +480,7 @@ def main(argv=None) -> None:
     out_path = out_dir / f"packed-{slug}-x{world}-{date}{'-' + args.tag if args.tag else ''}.json"
     h, hk = (int(x) for x in args.heads.split("/"))
     meta = {"device": name, "world": world, "date": date, "torch": torch.__version__, "dtype": str(dtype),
-            "heads": h, "kv_heads": hk, "head_dim": args.dim, "batch": 1,
+            "heads": h, "kv_heads": hk, "head_dim": args.dim, "batch": 1, "packed_backends": packed_backends,
             "length_mix": {"median": args.median, "sigma": args.sigma, "max": args.max_doc,
                            "seed": "1000 + seq"},
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
@@ -460,7 +500,7 @@ def main(argv=None) -> None:
         write()
 
     try:
-        check = exactness_check(args, device, packed_backend, solo_group)
+        check = exactness_check(args, device, packed_backends, ranged_backend, solo_group)
     except Exception:  # noqa: BLE001 - recorded; summary.exact stays false
         check = {"passed": False, "error": traceback.format_exc(limit=4)}
     if rank == 0:
@@ -469,7 +509,8 @@ def main(argv=None) -> None:
 
     for seq in (int(x) for x in args.seqs.split(",")):
         started = time.perf_counter()
-        base, reps = bench_seq(args, seq, device, dtype, packed_backend, unpacked_backends, record)
+        base, reps = bench_seq(args, seq, device, dtype, packed_backends, ranged_backend, unpacked_backends,
+                               record)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             if not args.no_torch_cp:

@@ -79,7 +79,8 @@ def model_check(path: str) -> None:
         assert len(docs) == row["docs"] and max(b - a for a, b in docs) == row["longest_doc"], "mix differs"
         seg = Segments(seq, (docs,))
         sched, how = measured_schedule(result, row, seg)
-        print(f"{seq} tokens, {len(docs)} documents, P = {result['world']}, schedule {how}:")
+        print(f"{seq} tokens, {len(docs)} documents, P = {result['world']}, backend "
+              f"{row.get('backend', '?')}, schedule {how}:")
         tasks = [[(t.q_owner, t.kv_owner, t.row_start, t.row_stop) for t in (s[r] for s in sched.steps) if t]
                  for r in range(result["world"])]
         print(f"  tasks per rank (q chunk, kv chunk, rows): {tasks}")

@@ -48,6 +48,18 @@ def test_summary():
     assert s["exact"] is True
     assert bench.summarize(rows, {"passed": False})["exact"] is False
     assert bench.summarize(rows, None)["exact"] is False
+    # two packed backends: the summary's keys are the fastest one's, with the other's ratio
+    tagged = [
+        {"seq": 65536, "impl": "packed_ours", "backend": "triton", "ms": 12.0},
+        {"seq": 65536, "impl": "packed_ours", "backend": "flash_varlen", "ms": 8.0},
+        {"seq": 65536, "impl": "packed_compute_only", "backend": "triton", "per_rank_ms": [9.0, 9.9]},
+        {"seq": 65536, "impl": "packed_compute_only", "backend": "flash_varlen", "per_rank_ms": [6.0, 6.3]},
+        {"seq": 65536, "impl": "unpacked_ours_sdpa_cudnn", "ms": 24.0},
+    ]
+    s = bench.summarize(tagged, {"passed": True})
+    entry = s["per_seq"]["65536"]
+    assert entry["packed_backend"] == "flash_varlen" and entry["packed_triton_over_packed"] == 1.5
+    assert abs(s["busy_spread_max"] - 0.05) < 1e-9 and s["packed_vs_unpacked_64k"] == 3.0
 
 
 def worker_smoke(rank, world, out_dir):
@@ -65,6 +77,8 @@ def test_smoke_run_on_two_cpu_processes(tmp_path):
     assert result["summary"]["exact"] is True, result["exactness_check"]
     for name in ("out", "dq", "dk", "dv"):
         assert max(result["exactness_check"][name]["allgather_varlen_rel_err_per_rank"]) < 1e-5
+    assert result["exactness_check"]["backends"] == ["reference"]
+    assert result["exactness_check"]["per_backend"]["reference"]["passed"] is True
     impls = {r["impl"] for r in result["rows"] if "ms" in r}
     assert {"packed_ours", "packed_compute_only", "unpacked_ours_reference", "allgather_varlen",
             "padded_docs"} <= impls, result["rows"]

@@ -1,7 +1,8 @@
 """Local attention backends behind one contract (see ``base``).
 
 ``reference`` (PyTorch, any device), ``triton`` (our FlashAttention kernels), ``sdpa_cudnn`` /
-``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``auto``.
+``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``flash_varlen`` (torch's
+FlashAttention-2 varlen kernels: packed documents as one call per task), ``auto``.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import os
 
 import torch
 
+from . import flash_varlen
 from .base import TRITON_HEAD_DIMS, AttentionKernel, attention_delta, check_qkv
 from .reference import ReferenceKernel
 
-BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash")
+BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_varlen")
 
 _cache: dict[str, AttentionKernel] = {}
 
@@ -41,12 +43,26 @@ def _auto_backend(device: torch.device, dtype: torch.dtype | None, head_dim: int
     return preferred_cuda_backend(device, triton_ok=triton_ok)
 
 
+def _flash_varlen_ok(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> bool:
+    """Whether the flash varlen kernels take these tensors (and their op runs on ``device``)."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim is not None and head_dim % 8 == 0 and head_dim <= 256
+            and flash_varlen.usable(device))
+
+
 def masked_backend(
-    backend: str, device: torch.device, dtype: torch.dtype | None, head_dim: int | None
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    head_dim: int | None,
+    window: int | None = None,
 ) -> str:
-    """The backend for attention with document / window masks (``key_range``): ``auto`` picks one that
-    takes them; an explicit backend that cannot is refused, naming those that can."""
+    """The backend for attention over packed documents / padding (and ``window``): ``auto`` picks one that
+    takes them (on CUDA in half precision without a window: ``flash_varlen``, one fused call per task; else
+    one taking per-row key ranges); an explicit backend that cannot is refused, naming those that can."""
     if backend == "auto":
+        if window is None and _flash_varlen_ok(device, dtype, head_dim):
+            return "flash_varlen"
         chosen = _auto_backend(device, dtype, head_dim)
         if getattr(get_kernel(chosen, device, dtype, head_dim), "supports_key_range", False):
             return chosen
@@ -55,12 +71,20 @@ def masked_backend(
         if triton_ok and getattr(get_kernel("triton", device), "supports_key_range", False):
             return "triton"
         return "reference"
-    if not getattr(get_kernel(backend, device, dtype, head_dim), "supports_key_range", False):
-        raise ValueError(
-            f"backend {backend!r} does not take document or window masks (packed sequences, padding, "
-            "sliding windows); use backend='triton' on a GPU, 'reference', or 'auto'."
-        )
-    return backend
+    kernel = get_kernel(backend, device, dtype, head_dim)
+    if getattr(kernel, "supports_key_range", False):
+        return backend
+    if getattr(kernel, "supports_doc_blocks", False):
+        if window is not None:
+            raise ValueError(
+                f"backend {backend!r} takes packed documents but not sliding windows (a window is not one "
+                "block per document); use backend='triton' on a GPU, 'reference', or 'auto'."
+            )
+        return backend
+    raise ValueError(
+        f"backend {backend!r} does not take document or window masks (packed sequences, padding, "
+        "sliding windows); use backend='flash_varlen' or 'triton' on a GPU, 'reference', or 'auto'."
+    )
 
 
 def get_kernel(
@@ -89,9 +113,17 @@ def get_kernel(
             f"backend 'sdpa' runs torch's flash/cuDNN kernels and needs a CUDA GPU; tensors are on "
             f"{device}. Use backend='reference' or 'auto' on the CPU."
         )
+    if backend == "flash_varlen" and not flash_varlen.usable(device):
+        raise ValueError(
+            "backend 'flash_varlen' runs torch's FlashAttention-2 varlen kernels and needs a CUDA GPU whose "
+            f"torch build has them (torch.ops.aten._flash_attention_forward); tensors are on {device}. "
+            "Use backend='triton' on a GPU, or 'reference' / 'auto'."
+        )
     if backend not in _cache:
         if backend == "reference":
             _cache[backend] = ReferenceKernel()
+        elif backend == "flash_varlen":
+            _cache[backend] = flash_varlen.FlashVarlenKernel()
         elif backend == "triton":
             from .triton_attn import TritonKernel
 

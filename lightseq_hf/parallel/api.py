@@ -100,7 +100,7 @@ def dist_flash_attn(
     (float32). Without an initialized process group, or with a group of one, it is
     plain attention on the local tensors. Gradients flow to q, k and v (and through the
     lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
-    ``backend`` is ``"auto"``, ``"reference"``, ``"triton"`` or ``"sdpa"``.
+    ``backend`` is ``"auto"``, ``"reference"``, ``"triton"``, ``"sdpa"`` or ``"flash_varlen"``.
     ``check_shapes=False`` skips the all-gather that checks every rank's call agrees (shapes,
     dtype, causal, scale, schedule, backend, which inputs need gradients), for callers that
     guarantee it, such as the model patch.
@@ -112,7 +112,8 @@ def dist_flash_attn(
     (output 0, lse -inf, gradients 0). ``window``: sliding-window attention, key ``j`` visible from
     query ``i`` only when ``i - window < j`` (and, non-causal, ``j < i + window``). Blocks with no
     visible pair are neither computed nor sent, and the schedule balances visible pairs (it replaces
-    ``schedule``, which applies to plain rows). Backends: ``"reference"`` and ``"triton"``.
+    ``schedule``, which applies to plain rows). Backends: ``"reference"``, ``"triton"`` and (no window;
+    CUDA, half precision) ``"flash_varlen"``, which ``"auto"`` picks there when torch's op runs.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
@@ -144,7 +145,7 @@ def dist_flash_attn(
     if seg is not None and seg.is_full() and window is None:
         seg = None  # plain rows: the whole-block schedule
     if seg is not None:
-        backend = masked_backend(backend, q.device, q.dtype, q.shape[-1])
+        backend = masked_backend(backend, q.device, q.dtype, q.shape[-1], window)
     get_kernel(backend, q.device, q.dtype, q.shape[-1])  # fail early with the backend's own error
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if check_shapes:

@@ -27,11 +27,17 @@ from .segments import local_key_range
 
 Bundle = dict[str, torch.Tensor]
 KeyRanges = tuple[torch.Tensor, torch.Tensor]
+#: ``task -> DocBlocks``: the documents of a task as blocks, for kernels with ``supports_doc_blocks``.
+BlocksOf = Callable[[SpanTask], Any]
 
 
-def _kernel_mask(task: Task | SpanTask, ranges: KeyRanges | None, chunk: int) -> dict[str, Any]:
-    """Kernel keywords for ``task``: its causal flag, or (with global key ``ranges``) the key range of
-    its query rows within the key chunk."""
+def _kernel_mask(
+    task: Task | SpanTask, ranges: KeyRanges | None, chunk: int, doc_blocks: BlocksOf | None = None
+) -> dict[str, Any]:
+    """Kernel keywords for ``task``: its causal flag, its document blocks (``doc_blocks``), or (with global
+    key ``ranges``) the key range of its query rows within the key chunk."""
+    if doc_blocks is not None:
+        return {"causal": False, "doc_blocks": doc_blocks(task)}
     if ranges is None:
         return {"causal": task.diagonal}
     start, stop = task.rows(chunk)
@@ -140,11 +146,13 @@ def dist_attn_forward(
     comm: PeerComm,
     kernel: AttentionKernel,
     ranges: KeyRanges | None = None,
+    doc_blocks: BlocksOf | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's (out in q.dtype, lse float32) of attention over the whole sequence.
 
     ``ranges``: global key ranges ``(lo, hi)`` ``(batch, seq)`` of every query row (packed documents,
-    padding, windows; see ``segments``), with a schedule built from the same segments.
+    padding, windows; see ``segments``), with a schedule built from the same segments. ``doc_blocks``
+    (kernels with ``supports_doc_blocks``, instead of ``ranges``): each task's document blocks.
     """
     out, lse = empty_running(q)
     chunk = q.shape[1]
@@ -161,7 +169,7 @@ def dist_attn_forward(
         if task is None:
             return None
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
-        mask = _kernel_mask(task, ranges, chunk)
+        mask = _kernel_mask(task, ranges, chunk, doc_blocks)
         if task.q_owner == rank:
             if fresh[0] and task.rows(chunk) == (0, chunk):  # nothing to merge with: copy
                 part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
@@ -212,6 +220,7 @@ def dist_attn_backward(
     comm: PeerComm,
     kernel: AttentionKernel,
     ranges: KeyRanges | None = None,
+    doc_blocks: BlocksOf | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's (dq, dk, dv) in the input dtype; ``out``/``lse`` are this rank's global results.
 
@@ -256,7 +265,7 @@ def dist_attn_backward(
         row_out, row_delta = (q_in["stat"], None) if needs_out else (None, q_in["stat"])
         grads = kernel.backward(
             q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
-            scale=scale, delta=row_delta, **_kernel_mask(task, ranges, chunk),
+            scale=scale, delta=row_delta, **_kernel_mask(task, ranges, chunk, doc_blocks),
             dq=_rows(dq, task, 1) if own_q else None,
             dk=dk if own_kv else None,
             dv=dv if own_kv else None,

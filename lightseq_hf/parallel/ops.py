@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from ..kernels import get_kernel
 from .comm import PeerComm
-from .dist_attn import dist_attn_backward, dist_attn_forward
-from .schedule import Schedule, build_schedule
+from .dist_attn import BlocksOf, dist_attn_backward, dist_attn_forward
+from .doc_blocks import task_doc_blocks
+from .schedule import Schedule, SpanTask, build_schedule
 from .segment_schedule import build_segment_schedule
 from .segments import decode_segments, key_ranges, local_key_range
 
@@ -101,6 +102,25 @@ def _plan(
     return build_segment_schedule(world, seg, causal, win), (lo, hi)
 
 
+def _blocks_of(kernel, causal: bool, segments: list[int], window: int, chunk: int,
+               device: torch.device) -> BlocksOf | None:
+    """``task -> DocBlocks`` for kernels taking document blocks (packed rows without a window), else None.
+
+    Raises ValueError for a kernel that takes neither key ranges nor these masks.
+    """
+    if not segments and not window:
+        return None
+    if getattr(kernel, "supports_doc_blocks", False) and not window:
+        seg = decode_segments(segments)
+        return lambda task: task_doc_blocks(seg, task, chunk, causal, device)
+    if not getattr(kernel, "supports_key_range", False):
+        raise ValueError(
+            f"backend {kernel.name!r} cannot take {'a sliding window' if window else 'document masks'}; "
+            "use backend='triton', 'reference' or 'auto'."
+        )
+    return None
+
+
 @torch.library.custom_op("lightseq_hf::dist_attn_fwd", mutates_args=())
 def dist_attn_fwd(
     q: torch.Tensor,
@@ -120,14 +140,18 @@ def dist_attn_fwd(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rank, world, comm = _context(group, q.device)
     plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
+    blocks = _blocks_of(kernel, causal, segments, window, q.shape[1], q.device)
     if world == 1:
+        if blocks is not None:
+            whole = SpanTask(0, 0, 0, q.shape[1], 0, diagonal=True)
+            return kernel.forward(q, k, v, causal=False, scale=scale, doc_blocks=blocks(whole))
         if ranges is None:
             return kernel.forward(q, k, v, causal=causal, scale=scale)
         rng = local_key_range(*ranges, 0, k.shape[1])
         return kernel.forward(q, k, v, causal=False, scale=scale, key_range=rng)
     return dist_attn_forward(
         q, k, v, causal=causal, scale=scale, schedule=plan, rank=rank, comm=comm, kernel=kernel,
-        ranges=ranges,
+        ranges=None if blocks is not None else ranges, doc_blocks=blocks,
     )
 
 
@@ -161,11 +185,12 @@ def dist_attn_bwd(
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     rank, world, comm = _context(group, q.device)
     plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
+    blocks = _blocks_of(kernel, causal, segments, window, q.shape[1], q.device)
 
     def backward(dout, q, k, v, out, lse, dlse):
         return dist_attn_backward(
-            dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale,
-            schedule=plan, rank=rank, comm=comm, kernel=kernel, ranges=ranges,
+            dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, schedule=plan, rank=rank,
+            comm=comm, kernel=kernel, ranges=None if blocks is not None else ranges, doc_blocks=blocks,
         )
 
     chunks = backward_chunks(q.numel(), k.shape[2]) if world > 1 else 1
