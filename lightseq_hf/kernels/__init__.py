@@ -58,11 +58,11 @@ def masked_backend(
     window: int | None = None,
 ) -> str:
     """The backend for attention over packed documents / padding (and ``window``): ``auto`` picks one that
-    takes them (on CUDA in half precision without a window: ``flash_varlen``, one fused call per task; else
-    one taking per-row key ranges); an explicit backend that cannot is refused, naming those that can."""
+    takes them — a backend taking per-row key ranges (Triton on CUDA, measured faster than ``flash_varlen``
+    on H200: ``benchmarks/results/packed-h200-x2-2026-11-22.json``), else on CUDA in half precision without
+    a window ``flash_varlen`` (head dims Triton does not compile), else the reference kernel; an explicit
+    backend that cannot is refused, naming those that can."""
     if backend == "auto":
-        if window is None and _flash_varlen_ok(device, dtype, head_dim):
-            return "flash_varlen"
         chosen = _auto_backend(device, dtype, head_dim)
         if getattr(get_kernel(chosen, device, dtype, head_dim), "supports_key_range", False):
             return chosen
@@ -70,6 +70,8 @@ def masked_backend(
             torch.float16, torch.bfloat16, torch.float32)
         if triton_ok and getattr(get_kernel("triton", device), "supports_key_range", False):
             return "triton"
+        if window is None and _flash_varlen_ok(device, dtype, head_dim):
+            return "flash_varlen"
         return "reference"
     kernel = get_kernel(backend, device, dtype, head_dim)
     if getattr(kernel, "supports_key_range", False):
