@@ -51,8 +51,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
     p.add_argument("--replay", action="store_true",
                    help="also time each rank's own tasks of the balanced schedule through the local kernel "
-                        "on its own random inputs (no transfers, no peers' merges, no unfilled receive "
-                        "buffers): rows replay_<backend> with per_rank_ms")
+                        "on its own random inputs (no transfers, no peers' merges): rows replay_<backend> "
+                        "with per_rank_ms")
     p.add_argument("--device-order", default="normal", choices=("normal", "reversed"),
                    help="reversed: local rank r runs on GPU (gpus - 1 - r), to tell a slow GPU from a slow "
                         "rank")
