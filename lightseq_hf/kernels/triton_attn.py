@@ -100,6 +100,7 @@ class TritonKernel:
 
     name = "triton"
     supports_key_range = True
+    merges_in_kernel = True  # accumulate mode updates a float32 running (out, lse) inside the kernel
 
     def forward(
         self,

@@ -171,7 +171,9 @@ def dist_attn_forward(
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
         mask = _kernel_mask(task, ranges, chunk, doc_blocks)
         if task.q_owner == rank:
-            if fresh[0] and task.rows(chunk) == (0, chunk):  # nothing to merge with: copy
+            if fresh[0] and task.rows(chunk) == (0, chunk) and not getattr(kernel, "merges_in_kernel", False):
+                # nothing to merge with yet: copy (a merge pass would cost more; kernels that merge
+                # in place keep their float32 accumulate mode)
                 part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
                 out.copy_(part_out)
                 lse.copy_(part_lse)
