@@ -208,3 +208,34 @@ def test_compute_only_mode_fills_received_buffers_with_random_values():
         set_transfer_mode("overlap")
     assert torch.isfinite(received).all() and received.std() > 0.5
     assert torch.equal(sent, torch.ones(64))
+
+
+def worker_wire_dtypes(rank, world):
+    """Record every tensor a rank sends during one bf16 forward+backward."""
+    from lightseq_hf.parallel import comm
+
+    sent = []
+    post = comm.PeerComm.post
+
+    def recording_post(self, transfers):
+        sent.extend((t.dtype, t.dim()) for _, t in transfers.sends)
+        return post(self, transfers)
+
+    comm.PeerComm.post = recording_post
+    try:
+        q, k, v, dout = make_inputs(7, 1, 16 * world, 4, 2, 16)
+        run_attention(q, k, v, dout, rank=rank, world=world, dtype=torch.bfloat16, causal=True,
+                      schedule="balanced")
+    finally:
+        comm.PeerComm.post = post
+    return sent
+
+
+def test_partial_results_travel_in_the_input_dtype():
+    """Helpers send their partial outputs and gradients in bf16 (the owner merges them in float32); only
+    the lse (3-D) travels in float32 — no 4-D float32 tensor is ever sent."""
+    per_rank = run_distributed(worker_wire_dtypes, 4)
+    sent = [s for rank_sent in per_rank for s in rank_sent]
+    assert sent, "nothing was sent: the schedule did not split the work"
+    assert (torch.float32, 4) not in sent, sorted(set(sent), key=str)
+    assert {(torch.bfloat16, 4), (torch.float32, 3)} <= set(sent), sorted(set(sent), key=str)
