@@ -364,12 +364,10 @@ class FlashVarlenKernel:
             rows.put(out, o)
             rows.put_lse(lse, rows_lse.to(lse.dtype))
             return out, lse
-        run_out, run_lse = rows.take(out), rows.take_lse(lse)
-        if rows.view is not None:  # views of the running buffers: merge in place
-            merge_into(run_out.unsqueeze(0), run_lse.unsqueeze(0), o.unsqueeze(0), rows_lse.unsqueeze(0))
-        else:
-            run_out, run_lse = run_out.unsqueeze(0), run_lse.unsqueeze(0).contiguous()
-            merge_into(run_out, run_lse, o.unsqueeze(0), rows_lse.unsqueeze(0))
+        # views of the running buffers are merged in place; gathered rows are merged, then written back
+        run_out, run_lse = rows.take(out).unsqueeze(0), rows.take_lse(lse).unsqueeze(0)
+        merge_into(run_out, run_lse, o.unsqueeze(0), rows_lse.unsqueeze(0))
+        if rows.view is None:
             rows.put(out, run_out[0])
             rows.put_lse(lse, run_lse[0])
         return out, lse
@@ -417,8 +415,8 @@ class FlashVarlenKernel:
         op_lse = _lse_for_op(rows_lse, blocks, padded)
         gq, gk, gv = varlen_backward(dog, qg, kg, vg, og, op_lse, blocks.cu_q, blocks.cu_k, blocks.max_q,
                                      blocks.max_k, blocks.causal, scale, rng, unused)
-        rows.put(grads[0], gq.to(acc), accumulate=True)
+        rows.put(grads[0], gq, accumulate=True)  # put adds the op's bf16 into float32 in one pass
         key_rows = _RowMap(blocks.k_rows, k.shape[0], k.shape[1], q.device)
-        key_rows.put(grads[1], gk.to(acc), accumulate=True)
-        key_rows.put(grads[2], gv.to(acc), accumulate=True)
+        key_rows.put(grads[1], gk, accumulate=True)
+        key_rows.put(grads[2], gv, accumulate=True)
         return tuple(grads)

@@ -156,7 +156,12 @@ def dist_attn_forward(
     """
     out, lse = empty_running(q)
     chunk = q.shape[1]
-    fresh = [True]  # no own task has written the running (out, lse) yet
+    # The first task on this rank's own rows may copy its result instead of merging it into the empty
+    # running (out, lse) when it covers every row (kernels that merge in place keep their float32
+    # accumulate mode; a separate merge pass would cost more than the copy).
+    own = [s[rank] for s in schedule.steps if s[rank] is not None and s[rank].q_owner == rank]
+    copy_first = (own[0] if own and own[0].rows(chunk) == (0, chunk)
+                  and not getattr(kernel, "merges_in_kernel", False) else None)
 
     def q_rows(task: Task) -> Bundle:
         return {"q": _rows(q, task, 1)}
@@ -171,16 +176,13 @@ def dist_attn_forward(
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
         mask = _kernel_mask(task, ranges, chunk, doc_blocks)
         if task.q_owner == rank:
-            if fresh[0] and task.rows(chunk) == (0, chunk) and not getattr(kernel, "merges_in_kernel", False):
-                # nothing to merge with yet: copy (a merge pass would cost more; kernels that merge
-                # in place keep their float32 accumulate mode)
+            if task is copy_first:
                 part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
                 out.copy_(part_out)
                 lse.copy_(part_lse)
             else:
                 kernel.forward(qt, kt, vt, scale=scale, out=_rows(out, task, 1), lse=_rows(lse, task, 2),
                                **mask)
-            fresh[0] = False
             return None
         # A helper's partial result travels in the input dtype (lse in the running precision) and is
         # merged in float32 by the query owner.
