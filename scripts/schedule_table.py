@@ -51,18 +51,13 @@ def packed_table(seqs: list[int], worlds: list[int]) -> None:
 
 
 def measured_schedule(result: dict, row: dict, seg: Segments) -> tuple[Schedule, str]:
-    """The schedule the run computed: recorded in the results (bench_packed.py records it), else rebuilt
-    with the pair-balanced ``schedule.build_segment_schedule`` that ran before the tile model."""
-    if "schedule" in row:
-        steps = tuple(tuple(None if t is None else SpanTask(*t[:5], diagonal=t[0] == t[1]) for t in step)
-                      for step in row["schedule"])
-        return Schedule(result["world"], True, "segments", steps), "recorded in the results"
-    from lightseq_hf.parallel import schedule as old
-
-    if not hasattr(old, "build_segment_schedule"):
-        raise SystemExit("the results hold no schedule and the pair-balanced schedule is gone; rebuild it "
-                         "from the commit that ran the benchmark.")
-    return old.build_segment_schedule(result["world"], seg, True, None), "rebuilt (pair-balanced, pre-model)"
+    """The schedule the run computed, as bench_packed.py records it in the results."""
+    if "schedule" not in row:
+        raise SystemExit("the results hold no schedule (a run before the tile model); rebuild it from the "
+                         "commit that ran the benchmark.")
+    steps = tuple(tuple(None if t is None else SpanTask(*t[:5], diagonal=t[0] == t[1]) for t in step)
+                  for step in row["schedule"])
+    return Schedule(result["world"], True, "segments", steps), "recorded in the results"
 
 
 def model_check(path: str) -> None:

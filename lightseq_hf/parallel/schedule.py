@@ -1,5 +1,6 @@
 """The attention schedule: a pure function of (world size, causal, kind), or of the document
-boundaries for packed rows (:func:`build_segment_schedule`).
+boundaries for packed rows (:func:`~lightseq_hf.parallel.segment_schedule.build_segment_schedule`, which
+builds on :class:`SpanTask` and :func:`block_work` here).
 
 Rank ``r`` of ``P`` holds the contiguous chunk ``r`` of queries, keys and values. A
 *task* is one (query chunk, key/value chunk) block, or a slice of its query rows,
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cache, lru_cache
+from functools import cache
 
 import torch
 
@@ -189,14 +190,6 @@ class SpanTask:
         return self.row_start, self.row_stop
 
 
-@dataclass
-class _Piece:
-    q_owner: int
-    kv_owner: int
-    row_start: int
-    row_stop: int
-
-
 def block_work(
     lo: torch.Tensor, hi: torch.Tensor, world: int
 ) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
@@ -216,100 +209,6 @@ def block_work(
         work.append(w_row)
         prefix.append(p_row)
     return work, prefix
-
-
-def build_segment_schedule(
-    world: int, segments: Segments, causal: bool = True, window: int | None = None, tolerance: float = 0.01
-) -> Schedule:
-    """The schedule of attention over packed documents (a pure function of the boundaries).
-
-    Only blocks with a visible pair become tasks: a block whose query and key chunks share no
-    document (or lie outside the window) is neither computed nor sent. Each block starts with its
-    query owner; then, while the busiest rank is more than ``tolerance`` above the mean work,
-    the tail query rows of one of its blocks move to the idlest rank (preferring a block whose keys
-    that rank already holds, which then only needs the query rows). Work is counted in visible
-    pairs. Each rank computes its own diagonal block at step 0 (local), then its other tasks,
-    largest first.
-    """
-    return _segment_schedule(world, segments, causal, window, tolerance)
-
-
-@lru_cache(maxsize=128)
-def _segment_schedule(world: int, segments: Segments, causal: bool, window: int | None,
-                      tolerance: float) -> Schedule:
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}.")
-    if segments.length % world:
-        raise ValueError(
-            f"the sequence of {segments.length} tokens does not split into {world} equal shards; pad it "
-            "to a multiple of the group size (lightseq_hf.pad_to_multiple)."
-        )
-    n = segments.length // world
-    lo, hi = key_ranges(segments, causal=causal, window=window)
-    work, prefix = block_work(lo, hi, world)
-
-    def piece_work(p: _Piece) -> int:
-        pre = prefix[p.q_owner][p.kv_owner]
-        return int(pre[p.row_stop] - pre[p.row_start])
-
-    pieces: list[list[_Piece]] = [
-        [_Piece(i, j, 0, n) for j in range(world) if work[i][j] > 0] for i in range(world)
-    ]
-    loads = [sum(work[i]) for i in range(world)]
-    target = sum(loads) / world
-    for _ in range(8 * world * world + 8):
-        over = max(range(world), key=lambda r: (loads[r], -r))
-        under = min(range(world), key=lambda r: (loads[r], r))
-        amount = int(min(loads[over] - target, target - loads[under]))
-        if loads[over] <= target * (1 + tolerance) or amount <= 0:
-            break
-        candidates = [p for p in pieces[over] if piece_work(p) > 0]
-        cheap = [p for p in candidates if p.kv_owner == under]
-        piece = max(cheap or candidates, key=lambda p: (piece_work(p), -p.kv_owner))
-        pre = prefix[piece.q_owner][piece.kv_owner]
-        # the smallest split row whose tail holds at most `amount` pairs
-        tails = pre[piece.row_stop] - pre[piece.row_start:piece.row_stop + 1]
-        split = piece.row_start + int((tails > amount).sum())
-        moved = int(pre[piece.row_stop] - pre[split])
-        if moved <= 0:
-            break
-        pieces[under].append(_Piece(piece.q_owner, piece.kv_owner, split, piece.row_stop))
-        piece.row_stop = split
-        if piece.row_stop == piece.row_start:
-            pieces[over].remove(piece)
-        loads[over] -= moved
-        loads[under] += moved
-
-    per_rank: list[list[SpanTask]] = []
-    for rank in range(world):
-        merged: dict[tuple[int, int], list[_Piece]] = {}
-        for p in pieces[rank]:
-            merged.setdefault((p.q_owner, p.kv_owner), []).append(p)
-        tasks = []
-        for (i, j), group in merged.items():
-            group.sort(key=lambda p: p.row_start)
-            runs = [[group[0].row_start, group[0].row_stop]]
-            for p in group[1:]:
-                if p.row_start == runs[-1][1]:
-                    runs[-1][1] = p.row_stop
-                else:
-                    runs.append([p.row_start, p.row_stop])
-            for a, b in runs:
-                w = piece_work(_Piece(i, j, a, b))
-                if w > 0:
-                    tasks.append(SpanTask(i, j, a, b, w, diagonal=i == j))
-        local = [t for t in tasks if t.q_owner == t.kv_owner == rank]
-        remote = sorted((t for t in tasks if t not in local), key=lambda t: (-t.work, t.q_owner, t.kv_owner,
-                                                                            t.row_start))
-        per_rank.append([*local[:1], *remote] if local else [None, *remote])
-        if len(local) > 1:
-            raise AssertionError("a rank's own diagonal block must stay one task")
-    num_steps = max(1, *(len(t) for t in per_rank))
-    steps = tuple(
-        tuple(per_rank[r][t] if t < len(per_rank[r]) else None for r in range(world))
-        for t in range(num_steps)
-    )
-    return Schedule(world, causal, "segments", steps)
 
 
 def segment_blocks(world: int, segments: Segments, causal: bool, window: int | None) -> dict[
