@@ -422,11 +422,12 @@ def bench_seq(args, seq, device, dtype, packed_backends, ranged_backend, unpacke
 
 def schedule_record(seg: Segments, world: int) -> dict:
     """The segment schedule the packed rows ran (steps of ``[q chunk, kv chunk, row start, row stop,
-    visible pairs]``, ``null`` for idle) and its modeled per-rank cost (tile model, visible pairs): the
-    inputs of ``scripts/schedule_table.py --model-check``."""
+    visible pairs, key start, key stop]``, ``null`` for idle) and its modeled per-rank cost (tile model,
+    visible pairs): the inputs of ``scripts/schedule_table.py --model-check``."""
     sched = build_segment_schedule(world, seg, True, None)
-    steps = [[None if t is None else [t.q_owner, t.kv_owner, t.row_start, t.row_stop, t.work] for t in step]
-             for step in sched.steps]
+    chunk = seg.length // world
+    steps = [[None if t is None else [t.q_owner, t.kv_owner, t.row_start, t.row_stop, t.work, *t.keys(chunk)]
+              for t in step] for step in sched.steps]
     return {"schedule": steps, "modeled_cost_per_rank": modeled_loads(sched, seg),
             "modeled_pairs_per_rank": modeled_loads(sched, seg, cost=PAIRS)}
 

@@ -55,7 +55,8 @@ def measured_schedule(result: dict, row: dict, seg: Segments) -> tuple[Schedule,
     if "schedule" not in row:
         raise SystemExit("the results hold no schedule (a run before the tile model); rebuild it from the "
                          "commit that ran the benchmark.")
-    steps = tuple(tuple(None if t is None else SpanTask(*t[:5], diagonal=t[0] == t[1]) for t in step)
+    # files before key spans hold 5 fields per task (the whole key chunk)
+    steps = tuple(tuple(None if t is None else SpanTask(*t[:5], t[0] == t[1], *t[5:7]) for t in step)
                   for step in row["schedule"])
     return Schedule(result["world"], True, "segments", steps), "recorded in the results"
 

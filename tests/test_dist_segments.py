@@ -119,6 +119,18 @@ def worker_packed(rank, world):
                                 backend="reference").sum().backward()
     if world > 1 and not sent:
         failures.append(f"rank {rank}: a document across shards sent nothing")
+    # ... and a task moves only the keys its rows see: with a window of 8, a few keys of a neighbour's chunk
+    # (and their gradients), never the whole chunk (key/value tensors have 2 heads, queries 4)
+    shapes = []
+    comm.PeerComm.post = lambda self, tr: (shapes.extend(tuple(t.shape) for _, t in tr.sends),
+                                           original_post(self, tr))[1]
+    qw = torch.randn(1, 24, 4, 16, requires_grad=True)
+    kw, vw = (torch.randn(1, 24, 2, 16, requires_grad=True) for _ in "kv")
+    lightseq_hf.dist_flash_attn(qw, kw, vw, segments=Segments.full(1, 24 * world), window=8,
+                                backend="reference").sum().backward()
+    kv_sent = [s[1] for s in shapes if len(s) == 4 and s[2] == 2]
+    if world > 1 and not (kv_sent and max(kv_sent) < 24):
+        failures.append(f"rank {rank}: key/value rows sent {kv_sent}, expected parts of a chunk of 24")
     comm.PeerComm.post = original_post
     if world <= 4:
         from varlen_emulation import distributed_check

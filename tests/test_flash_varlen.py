@@ -72,15 +72,16 @@ def test_doc_blocks_are_exactly_the_key_range_masks():
                 tasks += [SpanTask(i, i, a, b, 0, True) for i in range(world) for a, b in ((5, 12), (3, 9))]
                 for task in tasks:
                     rows = slice(task.q_owner * chunk + task.row_start, task.q_owner * chunk + task.row_stop)
-                    klo, khi = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk, chunk)
-                    cols = torch.arange(chunk)[None, None, :]
+                    ka, kb = task.keys(chunk)  # schedule tasks read only the keys their rows see
+                    klo, khi = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk + ka, kb - ka)
+                    cols = torch.arange(kb - ka)[None, None, :]
                     want = (cols >= klo[..., None].long()) & (cols < khi[..., None].long())
                     blocks = task_doc_blocks(seg, task, chunk, causal, "cpu")
-                    got = expand(blocks, batch, task.row_stop - task.row_start, chunk)
+                    got = expand(blocks, batch, task.row_stop - task.row_start, kb - ka)
                     assert torch.equal(got, want), f"world {world} [{name}] causal={causal} {task}"
                     if not causal or task.q_owner != task.kv_owner:
                         assert not blocks.causal  # non-causal, or keys before the queries: full blocks
-                    top_left = expand(blocks, batch, task.row_stop - task.row_start, chunk, top_left=True)
+                    top_left = expand(blocks, batch, task.row_stop - task.row_start, kb - ka, top_left=True)
                     if blocks.causal and not torch.equal(top_left, want):
                         aligned_differs += 1
                     slices += isinstance(blocks.q_rows, slice) and isinstance(blocks.k_rows, slice)
@@ -137,8 +138,9 @@ def test_kernel_matches_the_reference_kernel_with_key_ranges(monkeypatch, padded
         sched = build_segment_schedule(world, seg, True)
         for task in (t for step in sched.steps for t in step if t is not None):
             rows = slice(task.q_owner * chunk + task.row_start, task.q_owner * chunk + task.row_stop)
-            keys = slice(task.kv_owner * chunk, (task.kv_owner + 1) * chunk)
-            rng = local_key_range(lo[:, rows], hi[:, rows], keys.start, chunk)
+            ka, kb = task.keys(chunk)
+            keys = slice(task.kv_owner * chunk + ka, task.kv_owner * chunk + kb)
+            rng = local_key_range(lo[:, rows], hi[:, rows], keys.start, kb - ka)
             blocks = task_doc_blocks(seg, task, chunk, True, "cpu")
             qt, dt, kt, vt = q[:, rows], dout[:, rows], k[:, keys], v[:, keys]
             fed_nothing += int((rng[1] <= rng[0]).sum())

@@ -31,6 +31,13 @@ def coverage_errors(schedule, segments, causal, window):
             work = int(visible_pairs(lo[:, rows], hi[:, rows], *keys).sum())
             if work != task.work or work == 0:
                 errors.append(f"task {task} claims {task.work} pairs, holds {work}")
+            # the task reads exactly the keys its rows see: all pairs inside, its first and last key seen
+            ka, kb = (keys[0] + x for x in task.keys(n))
+            inside = visible_pairs(lo[:, rows], hi[:, rows], ka, kb)
+            first_seen = visible_pairs(lo[:, rows], hi[:, rows], ka, ka + 1).sum()
+            last_seen = visible_pairs(lo[:, rows], hi[:, rows], kb - 1, kb).sum()
+            if int(inside.sum()) != work or not (first_seen > 0 and last_seen > 0):
+                errors.append(f"task {task}: keys [{ka}, {kb}) are not the span its rows see")
     for i, j in blocks:
         per_row = visible_pairs(lo[:, i * n:(i + 1) * n], hi[:, i * n:(i + 1) * n], j * n, (j + 1) * n).sum(0)
         cover = covered.get((i, j), torch.zeros(n, dtype=torch.int64))

@@ -3,7 +3,9 @@
 Each rank holds its contiguous chunk of q, k, v. The loops walk the schedule's steps;
 before computing step ``t`` they post the transfers for step ``t + 1`` (prefetch) and
 ship the partial results of step ``t - 1`` to their owners, so at most one remote
-key/value (or query) chunk and one prefetch buffer are alive at a time.
+key/value (or query) chunk and one prefetch buffer are alive at a time. A task moves only
+the query rows it computes and the keys they see (``task.rows``, ``task.keys``: packed
+documents need a part of a chunk), and the gradients of those keys come back.
 
 Forward keeps a float32 running (out, lse) per rank, which the local kernel updates in
 place for the rank's own query rows; a helper computes a partial result and sends it
@@ -43,13 +45,21 @@ def _kernel_mask(
     start, stop = task.rows(chunk)
     rows = slice(task.q_owner * chunk + start, task.q_owner * chunk + stop)
     lo, hi = ranges
-    key_range = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk, chunk)
+    key_start, key_stop = task.keys(chunk)
+    key_range = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk + key_start,
+                                key_stop - key_start)
     return {"causal": False, "key_range": key_range}
 
 
 def _rows(t: torch.Tensor, task: Task, seq_dim: int) -> torch.Tensor:
     start, stop = task.rows(t.shape[seq_dim])
     return t.narrow(seq_dim, start, stop - start)
+
+
+def _keys(t: torch.Tensor, task: Task) -> torch.Tensor:
+    """The keys of ``t`` (``(batch, seq, heads, dim)``) that ``task`` reads."""
+    start, stop = task.keys(t.shape[1])
+    return t.narrow(1, start, stop - start)
 
 
 def _buffer_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -103,12 +113,16 @@ def _plan_fetch(
 ) -> tuple[Transfers, tuple[Task | None, Bundle, Bundle]]:
     """Transfers bringing step ``t``'s query-side and key-side tensors to whoever computes.
 
-    ``q_rows(task)`` gives views of this rank's query-side tensors for the task's rows; sent and
-    locally used rows are made contiguous, received ones land in fresh contiguous buffers.
+    ``q_rows(task)`` gives views of this rank's query-side tensors for the task's rows, ``kv_side`` this
+    rank's keys and values (the task's keys are cut from them); sent and locally used rows are made
+    contiguous, received ones land in fresh contiguous buffers.
     """
 
     def q_side(task: Task) -> Bundle:
         return {name: x.contiguous() for name, x in q_rows(task).items()}
+
+    def kv_rows(task: Task) -> Bundle:
+        return {name: _keys(x, task) for name, x in kv_side.items()}
 
     step = schedule.steps[t]
     transfers = Transfers()
@@ -118,7 +132,7 @@ def _plan_fetch(
         if task.q_owner == rank:
             transfers.sends += [(peer, x) for x in q_side(task).values()]
         if task.kv_owner == rank:
-            transfers.sends += [(peer, x) for x in kv_side.values()]
+            transfers.sends += [(peer, x.contiguous()) for x in kv_rows(task).values()]
     task = step[rank]
     q_in: Bundle = {}
     kv_in: Bundle = kv_side
@@ -129,8 +143,10 @@ def _plan_fetch(
         else:
             q_in = q_side(task)
         if task.kv_owner != rank:
-            kv_in = {name: _buffer_like(x) for name, x in kv_side.items()}
+            kv_in = {name: _buffer_like(x) for name, x in kv_rows(task).items()}
             transfers.recvs += [(task.kv_owner, x) for x in kv_in.values()]
+        else:
+            kv_in = kv_rows(task)
     return transfers, (task, q_in, kv_in)
 
 
@@ -271,8 +287,8 @@ def dist_attn_backward(
             q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
             scale=scale, delta=row_delta, **_kernel_mask(task, ranges, chunk, doc_blocks),
             dq=_rows(dq, task, 1) if own_q else None,
-            dk=dk if own_kv else None,
-            dv=dv if own_kv else None,
+            dk=_keys(dk, task) if own_kv else None,
+            dv=_keys(dv, task) if own_kv else None,
         )
         # gradients for another rank travel in the input dtype and are added in float32 there
         return {
@@ -299,10 +315,11 @@ def dist_attn_backward(
                 transfers.recvs.append((peer, buf))
                 merges.append(lambda x=target, b=buf: x.add_(b))
             if task.kv_owner == rank:
-                bk, bv = _buffer_like(dk, k.dtype), _buffer_like(dv, v.dtype)
+                keys_k, keys_v = _keys(dk, task), _keys(dv, task)
+                bk, bv = _buffer_like(keys_k, k.dtype), _buffer_like(keys_v, v.dtype)
                 transfers.recvs += [(peer, bk), (peer, bv)]
-                merges.append(lambda b=bk: dk.add_(b))
-                merges.append(lambda b=bv: dv.add_(b))
+                merges.append(lambda x=keys_k, b=bk: x.add_(b))
+                merges.append(lambda x=keys_v, b=bv: x.add_(b))
         return transfers, merges
 
     _run_steps(comm, len(schedule.steps), plan_inputs, compute, plan_results)

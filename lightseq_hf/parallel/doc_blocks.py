@@ -1,7 +1,7 @@
 """Per-task document blocks for the flash varlen kernels, built on the host from the segments.
 
 Without a sliding window, the mask of every task (query rows ``[row_start, row_stop)`` of chunk
-``q_owner`` against the whole key chunk ``kv_owner``) splits into one block per document:
+``q_owner`` against its keys of chunk ``kv_owner``, ``task.keys``) splits into one block per document:
 
 - keys before the query rows (a key chunk before the query chunk) or non-causal attention: each query row
   of the document sees *all* the document's keys in the key chunk: a full block;
@@ -79,23 +79,25 @@ def task_doc_blocks(
     segments: Segments, task: SpanTask, chunk: int, causal: bool, device: torch.device | str
 ) -> DocBlocks:
     """The :class:`DocBlocks` of ``task`` for a kernel given the task's query rows (``row_stop - row_start``
-    rows of each batch row) and the whole key chunk (``chunk`` rows of each batch row)."""
-    return _task_doc_blocks(segments, task.q_owner, task.kv_owner, task.row_start, task.row_stop, chunk,
-                            causal, str(device))
+    rows of each batch row) and its keys (``task.keys(chunk)`` of each batch row)."""
+    key_start, key_stop = task.keys(chunk)
+    return _task_doc_blocks(segments, task.q_owner, task.kv_owner, task.row_start, task.row_stop, key_start,
+                            key_stop, chunk, causal, str(device))
 
 
 @lru_cache(maxsize=512)  # a step's tasks, reused by every layer (tiny host lists, small device tensors)
 def _task_doc_blocks(segments: Segments, q_owner: int, kv_owner: int, row_start: int, row_stop: int,
-                     chunk: int, causal: bool, device: str) -> DocBlocks:
+                     key_start: int, key_stop: int, chunk: int, causal: bool, device: str) -> DocBlocks:
     q0 = q_owner * chunk + row_start
-    k0 = kv_owner * chunk
-    spans, needs_causal = doc_spans(segments, q0, q_owner * chunk + row_stop, k0, k0 + chunk, causal)
-    rows = row_stop - row_start
+    k0 = kv_owner * chunk + key_start
+    spans, needs_causal = doc_spans(segments, q0, q_owner * chunk + row_stop, k0,
+                                    kv_owner * chunk + key_stop, causal)
+    rows, keys = row_stop - row_start, key_stop - key_start
     q_rows: list[int] = []
     k_rows: list[int] = []
     for s in spans:
         q_rows.extend(range(s.row * rows + s.q_start - q0, s.row * rows + s.q_stop - q0))
-        k_rows.extend(range(s.row * chunk + s.k_start - k0, s.row * chunk + s.k_stop - k0))
+        k_rows.extend(range(s.row * keys + s.k_start - k0, s.row * keys + s.k_stop - k0))
     q_lens = tuple(s.q_stop - s.q_start for s in spans)
     k_lens = tuple(s.k_stop - s.k_start for s in spans)
     return make_doc_blocks(q_lens, k_lens, q_rows, k_rows, needs_causal, device)

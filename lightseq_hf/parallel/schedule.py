@@ -55,6 +55,10 @@ class Task:
         stop = length * (self.part + 1) // self.parts
         return start, stop
 
+    def keys(self, length: int) -> tuple[int, int]:
+        """The keys ``[start, stop)`` of a chunk of ``length`` keys this task reads: all of them."""
+        return 0, length
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -172,7 +176,9 @@ class SpanTask:
     """Query rows ``[row_start, row_stop)`` of chunk ``q_owner`` against chunk ``kv_owner``.
 
     ``work`` is the number of visible query-key pairs in it (summed over batch rows); the
-    kernel takes the mask from the key ranges of the segments, not from ``diagonal``.
+    kernel takes the mask from the key ranges of the segments, not from ``diagonal``. The task reads
+    only keys ``[key_start, key_stop)`` of the chunk (``None``: to its end): the ones its rows see, so
+    only those travel, and only their gradients come back.
     """
 
     q_owner: int
@@ -181,6 +187,8 @@ class SpanTask:
     row_stop: int
     work: int
     diagonal: bool = False
+    key_start: int = 0
+    key_stop: int | None = None
 
     @property
     def cost(self) -> int:
@@ -188,6 +196,9 @@ class SpanTask:
 
     def rows(self, length: int) -> tuple[int, int]:
         return self.row_start, self.row_stop
+
+    def keys(self, length: int) -> tuple[int, int]:
+        return self.key_start, length if self.key_stop is None else self.key_stop
 
 
 def block_work(

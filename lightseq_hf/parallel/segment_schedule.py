@@ -95,6 +95,14 @@ class BlockTiles:
         count = torch.div(span + self.tile_n - 1, self.tile_n, rounding_mode="floor")
         return int(torch.where(seen, count, 0).sum())
 
+    def key_span(self, start: int, stop: int) -> tuple[int, int]:
+        """The keys ``[first, last)`` of the block that rows ``[start, stop)`` see (none: ``(0, 0)``)."""
+        lo, hi = self.lo[:, start:stop], self.hi[:, start:stop]
+        seen = hi > lo
+        if not bool(seen.any()):
+            return 0, 0
+        return int(lo[seen].min()), int(hi[seen].max())
+
     def seen_rows(self, start: int, stop: int) -> tuple[int, int]:
         """``[start, stop)`` trimmed to its first and last rows that see a key (empty: ``(start, start)``)."""
         counts = self.seen_prefix[:, start:stop + 1].sum(0)
@@ -244,7 +252,7 @@ def _segment_schedule(world: int, segments: Segments, causal: bool, window: int 
 
     per_rank: list[list[SpanTask | None]] = []
     for rank in range(world):
-        tasks = [SpanTask(i, j, a, b, blocks.pairs(i, j, a, b), diagonal=i == j)
+        tasks = [SpanTask(i, j, a, b, blocks.pairs(i, j, a, b), i == j, *blocks.tiles(i, j).key_span(a, b))
                  for i, j, a, b in _merged_runs(blocks, pieces[rank])]
         local = [t for t in tasks if t.q_owner == t.kv_owner == rank]
         if len(local) > 1:
