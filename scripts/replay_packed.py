@@ -3,9 +3,11 @@
 Each rank's real forward and backward loops (``dist_attn_forward``/``dist_attn_backward``) run in the
 compute-only transfer mode (received buffers filled with random values on the communication stream, as
 ``bench_packed.py``'s ``packed_compute_only`` rows), one rank at a time on this process's device, so a
-single GPU measures what each GPU of a P-GPU run computes. Every kernel call is also timed (CUDA events on
-the compute stream) and recorded with its task, which is what ``lightseq_hf.parallel.segment_schedule``'s
-cost model is fitted to (``scripts/fit_tile_cost.py``).
+single GPU measures what each GPU of a P-GPU run computes (rank by rank in turn, repetition after
+repetition, so that the GPU's drift hits every rank alike). Each rank's busy time and tasks are what
+``lightseq_hf.parallel.segment_schedule``'s cost model is fitted to (``scripts/fit_tile_cost.py``);
+``--costs`` replays the schedules of several cost models on the same rows, ``--calls`` also times every
+kernel call (CUDA events on the compute stream).
 
     python scripts/replay_packed.py --seqs 65536,131072 --worlds 2,4 --layouts 6 --out OUT/replay.jsonl
 
@@ -33,6 +35,7 @@ from lightseq_hf.parallel.comm import PeerComm, set_transfer_mode  # noqa: E402
 from lightseq_hf.parallel.dist_attn import dist_attn_backward, dist_attn_forward  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import (  # noqa: E402
     DEFAULT_COST,
+    HAND_SET,
     TileCost,
     build_segment_schedule,
     modeled_loads,
@@ -45,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seqs", default="65536,131072")
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--layouts", type=int, default=4, help="packed rows per (length, world)")
+    p.add_argument("--first-layout", type=int, default=0, help="layout 0 is bench_packed.py's row")
+    p.add_argument("--repeat", type=int, default=1, help="measure each schedule this many times (noise)")
+    p.add_argument("--calls", action="store_true", help="also time every kernel call (CUDA events)")
     p.add_argument("--heads", default="32/8")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--median", type=int, default=2048)
@@ -53,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--backend", default="triton")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--cost", default="", help="TileCost fields as JSON for the schedule (default model)")
+    p.add_argument("--costs", default='{"default": "default"}',
+                   help="schedules to replay, JSON: name -> 'default', 'hand_set' or TileCost fields")
     p.add_argument("--out", required=True, help="JSON lines, one per (layout, rank)")
     return p.parse_args(argv)
 
@@ -102,52 +109,49 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn, reps: int, device: torch.device) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def replay_rank(args, seg: Segments, world: int, rank: int, cost: TileCost, kernel: TimedKernel,
-                device: torch.device, dtype: torch.dtype) -> dict:
-    """One rank's compute-only forward, backward and both, and each kernel call's time."""
-    sched = build_segment_schedule(world, seg, True, None, cost=cost)
+def prepare_rank(args, seg: Segments, sched, rank: int, kernel: TimedKernel, device: torch.device,
+                 dtype: torch.dtype):
+    """One rank's compute-only forward+backward as a closure, on its own random tensors."""
     lo, hi = key_ranges(seg, causal=True, device=device)
     h, hk = (int(x) for x in args.heads.split("/"))
-    n = seg.length // world
+    n = seg.length // sched.world
     g = torch.Generator(device=device).manual_seed(7 + rank)
     q = torch.randn(1, n, h, args.dim, device=device, generator=g).to(dtype)
     k = torch.randn(1, n, hk, args.dim, device=device, generator=g).to(dtype)
     v = torch.randn(1, n, hk, args.dim, device=device, generator=g).to(dtype)
     dout = torch.randn_like(q)
-    comm = PeerComm(None, device)
-    scale = args.dim ** -0.5
-    common = {"causal": True, "scale": scale, "schedule": sched, "rank": rank, "comm": comm,
-              "kernel": kernel, "ranges": (lo, hi)}
+    common = {"causal": True, "scale": args.dim ** -0.5, "schedule": sched, "rank": rank,
+              "comm": PeerComm(None, device), "kernel": kernel, "ranges": (lo, hi)}
     out, lse = dist_attn_forward(q, k, v, **common)
 
-    def fwd():
+    def both():
         dist_attn_forward(q, k, v, **common)
-
-    def bwd():
         dist_attn_backward(dout, q, k, v, out, lse, **common)
 
-    def both():
-        fwd()
-        bwd()
+    return both
 
-    row = {"fwd_ms": median_ms(fwd, args.reps, device), "bwd_ms": median_ms(bwd, args.reps, device),
-           "ms": median_ms(both, args.reps, device)}
+
+def interleaved_ms(fns, reps: int, device: torch.device) -> list[float]:
+    """Median ms of each closure, timed in turn (rank 0, 1, ..., 0, 1, ...) so drift hits all alike."""
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(reps):
+        for t, fn in zip(times, fns):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            t.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def call_times(fn, kernel: TimedKernel, reps: int, device: torch.device) -> list[dict]:
+    """Each kernel call of ``fn`` (in order) with its median ms over ``reps`` runs."""
     calls = []
-    for _ in range(args.reps):
+    for _ in range(reps):
         kernel.log = []
-        both()
+        fn()
         sync(device)
         for e in kernel.log:
             if "_events" in e:
@@ -160,10 +164,26 @@ def replay_rank(args, seg: Segments, world: int, rank: int, cost: TileCost, kern
         entry = {key: val for key, val in first.items() if key != "ms"}
         entry["ms"] = statistics.median(c[i]["ms"] for c in calls)
         per_call.append(entry)
-    tasks = [[t.q_owner, t.kv_owner, t.row_start, t.row_stop, t.work, *t.keys(n)]
-             for step in sched.steps for t in [step[rank]] if t is not None]
-    row.update(tasks=tasks, calls=per_call, modeled=modeled_loads(sched, seg, cost=cost)[rank])
-    return row
+    return per_call
+
+
+def replay_layout(args, seg: Segments, world: int, cost: TileCost, kernel: TimedKernel, device: torch.device,
+                  dtype: torch.dtype) -> list[dict]:
+    """Every rank's busy ms under the schedule ``cost`` builds (and, with ``--calls``, its kernel calls)."""
+    sched = build_segment_schedule(world, seg, True, None, cost=cost)
+    fns = [prepare_rank(args, seg, sched, rank, kernel, device, dtype) for rank in range(world)]
+    busy = interleaved_ms(fns, args.reps, device)
+    modeled = modeled_loads(sched, seg, cost=cost)
+    n = seg.length // world
+    rows = []
+    for rank, fn in enumerate(fns):
+        tasks = [[t.q_owner, t.kv_owner, t.row_start, t.row_stop, t.work, *t.keys(n)]
+                 for step in sched.steps for t in [step[rank]] if t is not None]
+        row = {"ms": busy[rank], "tasks": tasks, "modeled": modeled[rank]}
+        if args.calls:
+            row["calls"] = call_times(fn, kernel, args.reps, device)
+        rows.append(row)
+    return rows
 
 
 def main(argv=None) -> None:
@@ -171,30 +191,34 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernel = TimedKernel(get_kernel(args.backend, device, dtype, args.dim))
-    cost = TileCost(**json.loads(args.cost)) if args.cost else DEFAULT_COST
+    models = {"default": DEFAULT_COST, "hand_set": HAND_SET}
+    costs = {name: models[spec] if isinstance(spec, str) else TileCost(**spec)
+             for name, spec in json.loads(args.costs).items()}
     set_transfer_mode("compute_only")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "backend": args.backend, "heads": args.heads, "dim": args.dim,
-            "cost": cost.__dict__}
+            "torch": torch.__version__, "backend": args.backend, "heads": args.heads, "dim": args.dim}
     with open(args.out, "a") as f:
         for seq in (int(s) for s in args.seqs.split(",")):
             for world in (int(w) for w in args.worlds.split(",")):
-                for layout in range(args.layouts):
+                for layout in range(args.first_layout, args.first_layout + args.layouts):
                     seed = 1000 + seq + 7919 * layout
                     docs = lognormal_docs(seq, median=args.median, sigma=args.sigma, max_len=args.max_doc,
                                           seed=seed)
-                    seg = Segments(seq, (docs,))
-                    ranks = [replay_rank(args, seg, world, r, cost, kernel, device, dtype)
-                             for r in range(world)]
-                    busy = [r["ms"] for r in ranks]
-                    print(f"seq {seq} P {world} layout {layout} docs {len(docs)}: busy "
-                          f"{[round(b, 2) for b in busy]} spread {max(busy) / min(busy) - 1:.2%} modeled "
-                          f"{[round(r['modeled']) for r in ranks]}", flush=True)
-                    for rank, r in enumerate(ranks):
-                        f.write(json.dumps({**meta, "seq": seq, "world": world, "layout": layout,
-                                            "seed": seed, "docs": docs, "rank": rank, **r}) + "\n")
-                    f.flush()
+                    seg = Segments(seq, (tuple(docs),))
+                    for name, cost in costs.items():
+                        for repeat in range(args.repeat):
+                            ranks = replay_layout(args, seg, world, cost, kernel, device, dtype)
+                            busy = [r["ms"] for r in ranks]
+                            print(f"seq {seq} P {world} layout {layout} docs {len(docs)} cost {name}: busy "
+                                  f"{[round(b, 2) for b in busy]} spread {max(busy) / min(busy) - 1:.2%}",
+                                  flush=True)
+                            for rank, r in enumerate(ranks):
+                                f.write(json.dumps({**meta, "seq": seq, "world": world, "layout": layout,
+                                                    "seed": seed, "docs": docs, "cost_name": name,
+                                                    "cost": cost.__dict__, "repeat": repeat, "rank": rank,
+                                                    **r}) + "\n")
+                            f.flush()
 
 
 if __name__ == "__main__":

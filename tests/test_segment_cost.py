@@ -41,6 +41,22 @@ def brute_tiles(lo, hi, start, stop, tile_m, tile_n, n_keys, *, kernel_rule):
     return total
 
 
+def brute_masked(lo, hi, start, stop, tile_m, tile_n, n_keys):
+    """Of the tiles the ranged kernels visit, those not seen entirely by every row of the query tile
+    (the kernels mask them), counted one tile at a time."""
+    masked = 0
+    for r in range(lo.shape[0]):
+        for q0 in range(start, stop, tile_m):
+            rows = range(q0, min(q0 + tile_m, stop))
+            if not any(int(hi[r, i]) > int(lo[r, i]) for i in rows):
+                continue
+            first, last = min(int(lo[r, i]) for i in rows), max(int(hi[r, i]) for i in rows)
+            for k0 in range(0, n_keys, tile_n):
+                if k0 + tile_n > first and k0 < last:
+                    masked += not all(int(lo[r, i]) <= k0 and int(hi[r, i]) >= k0 + tile_n for i in rows)
+    return masked
+
+
 def lognormal_segments(gen, length, median, sigma=1.0):
     docs, t = [], 0
     while t < length:
@@ -71,6 +87,8 @@ def test_tile_count_matches_brute_force():
                     visited = brute_tiles(lo_l, hi_l, start, stop, tile_m, tile_n, n, kernel_rule=True)
                     holding = brute_tiles(lo_l, hi_l, start, stop, tile_m, tile_n, n, kernel_rule=False)
                     assert counted == visited, (trial, i, j, start, stop)
+                    masked = brute_masked(lo_l, hi_l, start, stop, tile_m, tile_n, n)
+                    assert tiles.tile_counts(start, stop) == (visited, masked), (trial, i, j, start, stop)
                     # without padding the kernels visit exactly the tiles holding a visible pair; padding
                     # rows (empty ranges at their own position) can widen a query tile's key span
                     assert counted == holding if not padded else counted >= holding, (trial, i, j, start)

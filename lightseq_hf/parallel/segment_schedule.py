@@ -32,9 +32,13 @@ class TileCost:
     """Cost of attention blocks, in units of one forward ``tile_m x tile_n`` tile.
 
     A task (query rows of one query chunk against one key chunk) costs
-    ``(forward + backward) * tiles + launches * launch + row_tile * ceil(rows / tile_m)``, where
-    ``tiles`` are the tiles its kernels visit, ``launches`` = 1 forward + 2 backward (dq, dk/dv), and
-    ``row_tile`` charges each query tile's loads and stores (they cost even where no key is seen).
+    ``(forward + backward) * tiles + masked * masked_tiles + launches * launch
+    + row_tile * ceil(rows / tile_m)``, where ``tiles`` are the tiles its kernels visit, ``masked_tiles``
+    those of them that need a mask (a document edge or the causal diagonal crosses them),
+    ``launches`` = 1 forward + 2 backward (dq, dk/dv), and ``row_tile`` charges each query tile's loads and
+    stores. A task computed away from its query rows' owner adds ``helper_row`` per row to the rank that
+    computes it (its partial output and dq, converted and sent) and ``owner_row`` per row to the owner
+    (merging them in).
     """
 
     tile_m: int = 128
@@ -45,27 +49,38 @@ class TileCost:
     launch: float = 32.0
     launches: int = 3
     row_tile: float = 1.0
+    masked: float = 0.0
+    helper_row: float = 0.0
+    owner_row: float = 0.0
 
     def __post_init__(self) -> None:
         if self.tile_m < 1 or self.tile_n < 1:
             raise ValueError(f"tile sizes must be >= 1, got {self.tile_m} x {self.tile_n}.")
-        if min(self.forward, self.backward, self.launch, self.row_tile) < 0 or self.launches < 0:
+        costs = (self.forward, self.backward, self.launch, self.row_tile, self.masked, self.helper_row,
+                 self.owner_row)
+        if min(costs) < 0 or self.launches < 0:
             raise ValueError("tile, launch and row costs must be >= 0.")
         if self.forward + self.backward <= 0:
             raise ValueError("forward + backward cost per tile must be > 0.")
 
-    def task_cost(self, tiles: int, rows: int) -> float:
-        """Modeled cost of one task visiting ``tiles`` tiles over ``rows`` query rows (0 rows: nothing)."""
+    def task_cost(self, tiles: int, rows: int, masked_tiles: int = 0, helper: bool = False) -> float:
+        """Modeled cost of one task visiting ``tiles`` tiles (``masked_tiles`` of them masked) over ``rows``
+        query rows (0 rows: nothing), to the rank computing it (``helper``: not the rows' owner)."""
         if rows <= 0:
             return 0.0
-        return ((self.forward + self.backward) * tiles + self.launches * self.launch
-                + self.row_tile * math.ceil(rows / self.tile_m))
+        return ((self.forward + self.backward) * tiles + self.masked * masked_tiles
+                + self.launches * self.launch + self.row_tile * math.ceil(rows / self.tile_m)
+                + (self.helper_row * rows if helper else 0.0))
 
 
 #: The old objective: visible query-key pairs (1 x 1 tiles, no fixed costs).
 PAIRS = TileCost(tile_m=1, tile_n=1, forward=1.0, backward=0.0, launch=0.0, launches=0, row_tile=0.0)
-#: The default model (128 x 128 tiles; constants in :class:`TileCost`).
+#: The first tile model (128 x 128 tiles, hand-set constants; kept for comparisons).
+HAND_SET = TileCost()
+#: Fitted to each rank's compute-only forward+backward time of the Triton kernels, replayed on one H200
+#: (``scripts/replay_packed.py``, ``scripts/fit_tile_cost.py``; see :data:`FITTED_ON`).
 DEFAULT_COST = TileCost()
+FITTED_ON = ""
 
 
 class BlockTiles:
@@ -85,15 +100,39 @@ class BlockTiles:
 
     def tiles(self, start: int, stop: int) -> int:
         """Tiles the kernels visit for query rows ``[start, stop)`` (query tiles aligned at ``start``)."""
+        return self.tile_counts(start, stop)[0]
+
+    def tile_counts(self, start: int, stop: int) -> tuple[int, int]:
+        """``(visited, masked)`` tiles of query rows ``[start, stop)`` (query tiles aligned at ``start``):
+        a query tile visits key tiles from the one holding its rows' first key to the one holding their
+        last; those every row sees entirely need no mask (``ranged_tiles`` in the kernels)."""
         if stop <= start:
-            return 0
-        first = torch.arange(start, stop, self.tile_m)
-        last = torch.clamp(first + self.tile_m, max=stop)
-        seen = (self.seen_prefix[:, last] - self.seen_prefix[:, first]) > 0
-        key_start = torch.div(self.lo[:, first], self.tile_n, rounding_mode="floor") * self.tile_n
-        span = (self.hi[:, last - 1] - key_start).clamp_min(0)
-        count = torch.div(span + self.tile_n - 1, self.tile_n, rounding_mode="floor")
-        return int(torch.where(seen, count, 0).sum())
+            return 0, 0
+        tm, tn = self.tile_m, self.tile_n
+        rows = stop - start
+        pad = (-rows) % tm
+        lo, hi = self.lo[:, start:stop], self.hi[:, start:stop]
+        real = torch.ones_like(lo, dtype=torch.bool)
+        if pad:  # rows past ``stop`` complete the last tile and are left out, as the kernels do
+            lo, hi, real = (torch.nn.functional.pad(x, (0, pad)) for x in (lo, hi, real))
+        shape = (lo.shape[0], -1, tm)
+        lo, hi, real = lo.reshape(shape), hi.reshape(shape), real.reshape(shape)
+        big = torch.iinfo(torch.int64).max
+        any_seen = (real & (hi > lo)).any(-1)
+        lo_first = torch.where(real, lo, big).amin(-1)
+        lo_last = torch.where(real, lo, -1).amax(-1)
+        hi_first = torch.where(real, hi, big).amin(-1)
+        hi_last = torch.where(real, hi, -1).amax(-1)
+        def down(x: torch.Tensor) -> torch.Tensor:
+            return torch.div(x, tn, rounding_mode="floor") * tn
+
+        first = down(lo_first)
+        stop_k = torch.maximum(hi_last, first)
+        full_lo = torch.minimum(torch.maximum(-down(-lo_last), first), stop_k)
+        full_hi = torch.minimum(torch.maximum(down(hi_first), full_lo), stop_k)
+        visited = torch.where(any_seen, (stop_k - first + tn - 1) // tn, 0)
+        masked = visited - torch.where(any_seen, (full_hi - full_lo) // tn, 0)
+        return int(visited.sum()), int(masked.sum())
 
     def key_span(self, start: int, stop: int) -> tuple[int, int]:
         """The keys ``[first, last)`` of the block that rows ``[start, stop)`` see (none: ``(0, 0)``)."""
@@ -185,33 +224,66 @@ class _Blocks:
     def trim(self, i: int, j: int, start: int, stop: int) -> tuple[int, int]:
         return self.tiles(i, j).seen_rows(start, stop)
 
-    def span_cost(self, i: int, j: int, start: int, stop: int, trim: bool = True) -> float:
+    def span_cost(self, i: int, j: int, start: int, stop: int, trim: bool = True,
+                  helper: bool = False) -> float:
         """Modeled cost of rows ``[start, stop)`` of block ``(i, j)`` as one task (``trim``: of its rows
-        that see a key; a task with no visible pair costs nothing: it is never scheduled)."""
+        that see a key; a task with no visible pair costs nothing: it is never scheduled), to the rank
+        computing it (``helper``: not rank ``i``)."""
         first, last = self.trim(i, j, start, stop)
         if last <= first:
             return 0.0
         if trim:
             start, stop = first, last
-        return self.cost.task_cost(self.tiles(i, j).tiles(start, stop), stop - start)
+        visited, masked = self.tiles(i, j).tile_counts(start, stop)
+        return self.cost.task_cost(visited, stop - start, masked, helper)
 
-    def piece_cost(self, p: _Piece) -> float:
-        return self.span_cost(p.q_owner, p.kv_owner, p.row_start, p.row_stop)
+    def owner_cost(self, i: int, j: int, start: int, stop: int) -> float:
+        """What merging rows ``[start, stop)`` of block ``(i, j)``, computed elsewhere, costs their owner."""
+        first, last = self.trim(i, j, start, stop)
+        return self.cost.owner_row * max(0, last - first)
+
+    def piece_cost(self, p: _Piece, rank: int) -> float:
+        """Cost of piece ``p`` to ``rank``, which computes it."""
+        return self.span_cost(p.q_owner, p.kv_owner, p.row_start, p.row_stop, helper=rank != p.q_owner)
+
+    def loads(self, pieces: list[list[_Piece]]) -> list[float]:
+        """Every rank's modeled cost: the pieces it computes, and merging its rows computed elsewhere."""
+        loads = [0.0] * len(pieces)
+        for rank, own in enumerate(pieces):
+            for p in own:
+                loads[rank] += self.piece_cost(p, rank)
+                if p.q_owner != rank:
+                    loads[p.q_owner] += self.owner_cost(p.q_owner, p.kv_owner, p.row_start, p.row_stop)
+        return loads
 
 
-def _best_split(blocks: _Blocks, piece: _Piece, over_rest: float, under_load: float) -> tuple[float, int]:
-    """The split row ``s`` of ``piece`` (rows ``[s, stop)`` move) minimizing the larger of the two ranks'
-    new costs; returns (that maximum, s). ``over_rest``: the busy rank's cost without the piece."""
+def _best_split(blocks: _Blocks, piece: _Piece, over: int, under: int,
+                loads: list[float]) -> tuple[float, int]:
+    """The split row ``s`` of ``piece`` (computed by ``over``; rows ``[s, stop)`` move to ``under``)
+    minimizing the larger of the two ranks' new costs (merges into an owner among them counted); returns
+    (that maximum, s)."""
     i, j, a, b = piece.q_owner, piece.kv_owner, piece.row_start, piece.row_stop
+    over_rest = loads[over] - blocks.piece_cost(piece, over)
+    under_rest = loads[under] - (blocks.owner_cost(i, j, a, b) if i == under else 0.0)  # under merged it all
+
+    def sides(s: int) -> tuple[float, float]:
+        head = over_rest + blocks.span_cost(i, j, a, s, helper=i != over)
+        tail = under_rest + blocks.span_cost(i, j, s, b, helper=i != under)
+        if i == over:
+            head += blocks.owner_cost(i, j, s, b)  # over now merges the tail computed by under
+        elif i == under:
+            tail += blocks.owner_cost(i, j, a, s)  # under still merges the head computed by over
+        return head, tail
 
     def outcome(s: int) -> float:
-        return max(over_rest + blocks.span_cost(i, j, a, s), under_load + blocks.span_cost(i, j, s, b))
+        return max(sides(s))
 
     # head cost grows with s, tail cost shrinks (up to tile alignment): bisect the crossing, then look around
     left, right = a, b
     while right - left > 1:
         mid = (left + right) // 2
-        if over_rest + blocks.span_cost(i, j, a, mid) < under_load + blocks.span_cost(i, j, mid, b):
+        head, tail = sides(mid)
+        if head < tail:
             left = mid
         else:
             right = mid
@@ -274,14 +346,14 @@ def _copy(pieces: list[list[_Piece]]) -> list[list[_Piece]]:
 
 
 def _max_load(blocks: _Blocks, pieces: list[list[_Piece]]) -> float:
-    return max(sum(blocks.span_cost(*run) for run in _merged_runs(blocks, rank)) for rank in pieces)
+    return max(blocks.loads([[_Piece(*run) for run in _merged_runs(blocks, rank)] for rank in pieces]))
 
 
 def _balance(blocks: _Blocks, pieces: list[list[_Piece]], tolerance: float) -> list[list[_Piece]]:
     """Greedy: while the busiest rank is above ``tolerance`` over the mean, move the tail rows of one of
     its pieces to the idlest rank at the split minimizing the larger of the two, if that lowers it."""
     world = len(pieces)
-    loads = [sum(blocks.piece_cost(p) for p in pieces[r]) for r in range(world)]
+    loads = blocks.loads(pieces)
     for _ in range(8 * world * world + 8):
         over = max(range(world), key=lambda r: (loads[r], -r))
         under = min(range(world), key=lambda r: (loads[r], r))
@@ -291,8 +363,8 @@ def _balance(blocks: _Blocks, pieces: list[list[_Piece]], tolerance: float) -> l
         for piece in pieces[over]:
             if piece.q_owner == piece.kv_owner == under:
                 continue  # the idle rank's own diagonal block must stay one (local) task
-            own = blocks.piece_cost(piece)
-            new_max, split = _best_split(blocks, piece, loads[over] - own, loads[under])
+            own = blocks.piece_cost(piece, over)
+            new_max, split = _best_split(blocks, piece, over, under, loads)
             key = (new_max, piece.kv_owner != under, -own, piece.q_owner, piece.kv_owner, piece.row_start)
             if split < piece.row_stop and (best is None or key < best[0]):
                 best = (key, piece, split)
@@ -300,15 +372,12 @@ def _balance(blocks: _Blocks, pieces: list[list[_Piece]], tolerance: float) -> l
             break  # no move lowers the busiest rank
         _, piece, split = best
         i, j = piece.q_owner, piece.kv_owner
-        loads[over] -= blocks.piece_cost(piece)
         tail = _Piece(i, j, *blocks.trim(i, j, split, piece.row_stop))
         piece.row_start, piece.row_stop = blocks.trim(i, j, piece.row_start, split)
         if piece.row_stop <= piece.row_start:
             pieces[over].remove(piece)
-        else:
-            loads[over] += blocks.piece_cost(piece)
         pieces[under].append(tail)
-        loads[under] += blocks.piece_cost(tail)
+        loads = blocks.loads(pieces)
     return pieces
 
 
@@ -342,8 +411,10 @@ def modeled_loads(schedule: Schedule, segments: Segments, causal: bool = True, w
     for step in schedule.steps:
         for rank, task in enumerate(step):
             if task is not None:
-                loads[rank] += blocks.span_cost(task.q_owner, task.kv_owner, task.row_start, task.row_stop,
-                                                trim=False)
+                i, j, a, b = task.q_owner, task.kv_owner, task.row_start, task.row_stop
+                loads[rank] += blocks.span_cost(i, j, a, b, trim=False, helper=i != rank)
+                if i != rank:
+                    loads[i] += blocks.owner_cost(i, j, a, b)
     return loads
 
 
