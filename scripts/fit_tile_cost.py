@@ -44,7 +44,8 @@ def rank_quantities(rows: list[dict], tile_m: int, tile_n: int) -> list[dict]:
     """Per (layout, rank): the model's quantities and the measured busy ms."""
     layouts = defaultdict(list)
     for r in rows:
-        layouts[(r["seq"], r["world"], r["layout"], r["heads"], r.get("cost_name"), r.get("repeat"))].append(r)
+        key = (r["seq"], r["world"], r["layout"], r["heads"], r.get("cost_name"), r.get("repeat"))
+        layouts[key].append(r)
     out = []
     for key, ranks in layouts.items():
         first = ranks[0]
