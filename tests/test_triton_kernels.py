@@ -361,3 +361,42 @@ def test_query_ranges_invert_key_ranges():
     by_rows = (cols >= klo[:, :, None]) & (cols < khi[:, :, None])
     by_cols = (rows >= q_lo[:, None, :]) & (rows < q_hi[:, None, :])
     assert torch.equal(by_rows, by_cols)
+
+
+@pytest.mark.parametrize("split", [2, 3])
+def test_dkdv_split_over_query_rows_matches_reference(monkeypatch, split):
+    """The dk/dv kernel with each key block's query rows split over programs (partial dk/dv summed after):
+    plain causal and non-causal, document ranges, and accumulation into given buffers."""
+    monkeypatch.setenv("LIGHTSEQ_DKDV_SPLIT", str(split))
+    b, n, h, hk, d = 2, 70, 4, 2, 64
+    q, k, v = make(b, n, n, h, hk, d, seed=21)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(22))
+    scale = d**-0.5
+    _, _, rng = _ranges((((0, 33), (33, 70)), ((5, 70),)), n, True, None)
+    for causal, key_range in ((True, None), (False, None), (False, rng)):
+        ref_out, ref_lse = REF.forward(q.double(), k.double(), v.double(), causal=causal, scale=scale,
+                                       key_range=key_range)
+        ref = REF.backward(do.double(), q.double(), k.double(), v.double(), ref_out, ref_lse, causal=causal,
+                           scale=scale, key_range=key_range)
+        got = KERNEL.backward(do, q, k, v, ref_out.float(), ref_lse.float(), causal=causal, scale=scale,
+                              key_range=key_range)
+        for name, g, r in zip(("dq", "dk", "dv"), got, ref):
+            assert rel_err(g, r) < 1e-4, (split, causal, key_range is not None, name)
+        base = [torch.randn(b, n, hk, d, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+        dk, dv = (t.clone() for t in base)
+        KERNEL.backward(do, q, k, v, ref_out.float(), ref_lse.float(), causal=causal, scale=scale,
+                        key_range=key_range, dk=dk, dv=dv)
+        assert rel_err(dk - base[0], ref[1]) < 1e-4 and rel_err(dv - base[1], ref[2]) < 1e-4
+
+
+def test_dkdv_split_heuristic(monkeypatch):
+    monkeypatch.delenv("LIGHTSEQ_DKDV_SPLIT", raising=False)
+    monkeypatch.setattr(triton_attn, "_multiprocessors", lambda device: 132)
+    cuda = torch.device("cuda")
+    # a whole chunk of keys: enough programs already
+    assert triton_attn.dkdv_split(32768, 32768, 8, cuda) == 1
+    # a long document's 554 keys seen by 20114 rows: 5 key blocks x 8 heads = 40 programs -> 7 parts
+    assert triton_attn.dkdv_split(20114, 554, 8, cuda) == 7
+    # few query rows: no split below 16 query blocks per part
+    assert triton_attn.dkdv_split(600, 554, 8, cuda) == 1
+    assert triton_attn.dkdv_split(20114, 554, 8, torch.device("cpu")) == 1

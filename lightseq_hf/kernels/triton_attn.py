@@ -8,6 +8,9 @@ and 128 are padded to a power of two inside the kernels with masks.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 
@@ -93,6 +96,32 @@ def query_ranges(k_lo: torch.Tensor, k_hi: torch.Tensor, lk: int) -> tuple[torch
 
 def _s(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
+
+
+def dkdv_split(lq: int, lk: int, kv_programs: int, device: torch.device) -> int:
+    """Into how many parts the dk/dv kernel splits each key block's query rows.
+
+    Its programs own a key block of one key/value head (``kv_programs`` = heads x batch per key block) and
+    loop over every query row that sees it: a task with few keys and many query rows (a long document's
+    keys in a neighbour's chunk, seen by all its rows here) would run a handful of long programs on an
+    otherwise idle GPU. Split the rows until there are about two programs per multiprocessor, keeping at
+    least 16 query blocks of 32 rows per part. ``LIGHTSEQ_DKDV_SPLIT`` forces a count (tests).
+    """
+    forced = os.environ.get("LIGHTSEQ_DKDV_SPLIT")
+    if forced:
+        return max(1, int(forced))
+    if device.type != "cuda":
+        return 1
+    programs = triton.cdiv(lk, 128) * kv_programs
+    target = 2 * _multiprocessors(device)
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), lq // (32 * 16)))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TritonKernel:
@@ -251,9 +280,16 @@ class TritonKernel:
             q_lo, q_hi = query_ranges(k_lo, k_hi, lk)
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
 
-        def grid_kv(meta):
-            return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b)
+        split = dkdv_split(lq, lk, hk * b, dev)
 
+        def grid_kv(meta):
+            return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b * split)
+
+        if split > 1:  # each part writes its own dk/dv, summed below
+            dk_out = torch.empty((b * split, lk, hk, d), dtype=torch.float32, device=dev)
+            dv_out = torch.empty_like(dk_out)
+        else:
+            dk_out, dv_out = dk_t, dv_t
         _attn_bwd_dkdv[grid_kv](
             q,
             k,
@@ -261,8 +297,8 @@ class TritonKernel:
             dout,
             lse,
             delta,
-            dk_t,
-            dv_t,
+            dk_out,
+            dv_out,
             k_lo,
             k_hi,
             q_lo,
@@ -273,12 +309,17 @@ class TritonKernel:
             *_s(dout),
             *_s(lse),
             *_s(delta),
-            *_s(dk_t),
-            *_s(dv_t),
+            *_s(dk_out),
+            *_s(dv_out),
             *lens,
-            ACCUM=dk is not None,
+            split,
+            ACCUM=dk is not None and split == 1,
             **common,
         )
+        if split > 1:
+            for given, out_t, parts in ((dk, dk_t, dk_out), (dv, dv_t, dv_out)):
+                total = parts.view(b, split, lk, hk, d).sum(1)
+                out_t.add_(total) if given is not None else out_t.copy_(total)
 
         def grid_q(meta):
             return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)

@@ -116,6 +116,16 @@ def _dkdv_step(
     return dk, dv
 
 
+@triton.jit
+def _split_rows(start, stop, part, SPLIT, BLOCK_M: tl.constexpr):
+    """Rows ``[first, last)`` of the query blocks ``[start, stop)`` (``start`` block-aligned) that part
+    ``part`` of ``SPLIT`` handles: contiguous runs of whole blocks."""
+    per = tl.cdiv(tl.cdiv(tl.maximum(stop - start, 0), BLOCK_M), SPLIT) * BLOCK_M
+    first = tl.minimum(start + part * per, stop)
+    last = tl.minimum(first + per, stop)
+    return first, last
+
+
 @triton.autotune(
     configs=DKDV_CONFIGS,
     key=["LQ_BUCKET", "LK_BUCKET", "HEAD_DIM", "CAUSAL", "ACCUM", "RANGED"],
@@ -174,6 +184,7 @@ def _attn_bwd_dkdv(
     scale,
     LQ_BUCKET,
     LK_BUCKET,
+    SPLIT,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -184,10 +195,17 @@ def _attn_bwd_dkdv(
     RANGED: tl.constexpr = False,
 ):
     """``RANGED``: ``KLo``/``KHi`` ``(batch, Lq)`` give each query row its keys ``[lo, hi)``, ``QLo``/``QHi``
-    ``(batch, Lk)`` each key its query rows (int32, contiguous, non-decreasing); else all ``None``."""
+    ``(batch, Lk)`` each key its query rows (int32, contiguous, non-decreasing); else all ``None``.
+
+    ``SPLIT`` programs share a key block, each over a contiguous part of its query blocks (grid axis 2 is
+    ``batch * SPLIT``), and write their partial dk/dv at batch index ``batch * SPLIT + part`` of
+    ``DK``/``DV`` (the caller sums the parts); with ``SPLIT`` 1 that is the batch itself."""
     pid_n = tl.program_id(0)  # causal: the first key blocks see the most rows, and start first
     hk = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    pid_b = tl.program_id(2)
+    part = pid_b % SPLIT
+    b32 = pid_b // SPLIT
+    b = b32.to(tl.int64)
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -208,40 +226,38 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
+    n_b = tl.num_programs(2) // SPLIT
+    n_h = tl.num_programs(1) * group
+    desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
+    desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
     if RANGED:
-        n_b = tl.num_programs(2)
-        n_h = tl.num_programs(1) * group
-        b32 = tl.program_id(2)
-        desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
-        desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
         n_ok = offs_n < Lk
         col_lo = tl.load(QLo + b * Lk + offs_n, mask=n_ok, other=0)
         col_hi = tl.load(QHi + b * Lk + offs_n, mask=n_ok, other=0)
         start, full_lo, full_hi, stop = ranged_tiles(col_lo, col_hi, n_ok, BLOCK_M)
+        first, last = _split_rows(start, stop, part, SPLIT, BLOCK_M)
         r_base = b * Lq
+        # this part's query blocks: masked ones before and after the unmasked run [full_lo, full_hi)
+        a0, a1 = tl.maximum(start, first), tl.minimum(full_lo, last)
+        b0, b1 = tl.maximum(full_lo, first), tl.minimum(full_hi, last)
+        c0, c1 = tl.maximum(full_hi, first), tl.minimum(stop, last)
         for g in range(group):
             h32 = hk * group + g
             h = h32.to(tl.int64)
-            lse_ptrs = Lse + b * slb + h * slh + (start + offs_m).to(tl.int64) * sls
-            delta_ptrs = Delta + b * seb + h * seh + (start + offs_m).to(tl.int64) * ses
-            for start_m in range(start, full_lo, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_ptrs, delta_ptrs, start_m,
-                                    offs_m, offs_n, Lq, shift, qk_scale, KLo, KHi, r_base, True, PREC,
-                                    BLOCK_M, D_PAD, True)
-                lse_ptrs += BLOCK_M * sls
-                delta_ptrs += BLOCK_M * ses
-            for start_m in range(full_lo, full_hi, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_ptrs, delta_ptrs, start_m,
-                                    offs_m, offs_n, Lq, shift, qk_scale, KLo, KHi, r_base, False, PREC,
-                                    BLOCK_M, D_PAD, True)
-                lse_ptrs += BLOCK_M * sls
-                delta_ptrs += BLOCK_M * ses
-            for start_m in range(full_hi, stop, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_ptrs, delta_ptrs, start_m,
-                                    offs_m, offs_n, Lq, shift, qk_scale, KLo, KHi, r_base, True, PREC,
-                                    BLOCK_M, D_PAD, True)
-                lse_ptrs += BLOCK_M * sls
-                delta_ptrs += BLOCK_M * ses
+            lse_base = Lse + b * slb + h * slh + offs_m.to(tl.int64) * sls
+            delta_base = Delta + b * seb + h * seh + offs_m.to(tl.int64) * ses
+            for start_m in range(a0, a1, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_base + start_m * sls,
+                                    delta_base + start_m * ses, start_m, offs_m, offs_n, Lq, shift, qk_scale,
+                                    KLo, KHi, r_base, True, PREC, BLOCK_M, D_PAD, True)
+            for start_m in range(b0, b1, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_base + start_m * sls,
+                                    delta_base + start_m * ses, start_m, offs_m, offs_n, Lq, shift, qk_scale,
+                                    KLo, KHi, r_base, False, PREC, BLOCK_M, D_PAD, True)
+            for start_m in range(c0, c1, BLOCK_M):
+                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_base + start_m * sls,
+                                    delta_base + start_m * ses, start_m, offs_m, offs_n, Lq, shift, qk_scale,
+                                    KLo, KHi, r_base, True, PREC, BLOCK_M, D_PAD, True)
     else:
         # Query blocks [lo, mid) straddle the causal diagonal; [mid, end) see every key of the block.
         end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
@@ -253,12 +269,10 @@ def _attn_bwd_dkdv(
         else:
             lo = n0 * 0
             mid = n0 * 0
-
-        n_b = tl.num_programs(2)
-        n_h = tl.num_programs(1) * group
-        desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
-        desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
-        b32 = tl.program_id(2)
+        first, last = _split_rows(lo, end, part, SPLIT, BLOCK_M)
+        mid = tl.minimum(tl.maximum(mid, first), last)
+        lo = tl.maximum(lo, first)
+        end = tl.minimum(end, last)
         for g in range(group):
             h32 = hk * group + g
             h = h32.to(tl.int64)
@@ -324,12 +338,10 @@ def _attn_bwd_dkdv(
                 delta_ptrs += BLOCK_M * ses
 
     dk = dk * scale
-    dk_ptrs = (
-        DK + b * sdkb + hk.to(tl.int64) * sdkh + offs_n[:, None].to(tl.int64) * sdks + offs_d[None, :] * sdkd
-    )
-    dv_ptrs = (
-        DV + b * sdvb + hk.to(tl.int64) * sdvh + offs_n[:, None].to(tl.int64) * sdvs + offs_d[None, :] * sdvd
-    )
+    b_out = pid_b.to(tl.int64)  # the batch, or (split) the part's slot
+    rows_n = offs_n[:, None].to(tl.int64)
+    dk_ptrs = DK + b_out * sdkb + hk.to(tl.int64) * sdkh + rows_n * sdks + offs_d[None, :] * sdkd
+    dv_ptrs = DV + b_out * sdvb + hk.to(tl.int64) * sdvh + rows_n * sdvs + offs_d[None, :] * sdvd
     if ACCUM:
         dk += tl.load(dk_ptrs, mask=kv_mask, other=0.0)
         dv += tl.load(dv_ptrs, mask=kv_mask, other=0.0)
