@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from .schedule import Schedule, SpanTask, block_work
@@ -91,11 +92,12 @@ class BlockTiles:
     """
 
     def __init__(self, lo: torch.Tensor, hi: torch.Tensor, tile_m: int, tile_n: int) -> None:
-        self.lo, self.hi = lo.long(), hi.long()
+        # numpy: the schedule asks thousands of small questions, each a few vector ops
+        self.lo, self.hi = lo.long().numpy(), hi.long().numpy()
         self.tile_m, self.tile_n = tile_m, tile_n
-        seen = (self.hi > self.lo).to(torch.int64)
-        self.seen_prefix = torch.zeros(seen.shape[0], seen.shape[1] + 1, dtype=torch.int64)
-        torch.cumsum(seen, 1, out=self.seen_prefix[:, 1:])
+        self.seen_prefix = np.zeros((self.lo.shape[0], self.lo.shape[1] + 1), dtype=np.int64)
+        np.cumsum(self.hi > self.lo, axis=1, out=self.seen_prefix[:, 1:])
+        self.seen_total = self.seen_prefix.sum(0)  # rows that see a key, over the batch, non-decreasing
         self.rows = lo.shape[1]
 
     def tiles(self, start: int, stop: int) -> int:
@@ -108,48 +110,37 @@ class BlockTiles:
         last; those every row sees entirely need no mask (``ranged_tiles`` in the kernels)."""
         if stop <= start:
             return 0, 0
-        tm, tn = self.tile_m, self.tile_n
-        rows = stop - start
-        pad = (-rows) % tm
-        lo, hi = self.lo[:, start:stop], self.hi[:, start:stop]
-        real = torch.ones_like(lo, dtype=torch.bool)
-        if pad:  # rows past ``stop`` complete the last tile and are left out, as the kernels do
-            lo, hi, real = (torch.nn.functional.pad(x, (0, pad)) for x in (lo, hi, real))
-        shape = (lo.shape[0], -1, tm)
-        lo, hi, real = lo.reshape(shape), hi.reshape(shape), real.reshape(shape)
-        big = torch.iinfo(torch.int64).max
-        any_seen = (real & (hi > lo)).any(-1)
-        lo_first = torch.where(real, lo, big).amin(-1)
-        lo_last = torch.where(real, lo, -1).amax(-1)
-        hi_first = torch.where(real, hi, big).amin(-1)
-        hi_last = torch.where(real, hi, -1).amax(-1)
-        def down(x: torch.Tensor) -> torch.Tensor:
-            return torch.div(x, tn, rounding_mode="floor") * tn
-
-        first = down(lo_first)
-        stop_k = torch.maximum(hi_last, first)
-        full_lo = torch.minimum(torch.maximum(-down(-lo_last), first), stop_k)
-        full_hi = torch.minimum(torch.maximum(down(hi_first), full_lo), stop_k)
-        visited = torch.where(any_seen, (stop_k - first + tn - 1) // tn, 0)
-        masked = visited - torch.where(any_seen, (full_hi - full_lo) // tn, 0)
+        tn = self.tile_n
+        first = np.arange(start, stop, self.tile_m)
+        last = np.minimum(first + self.tile_m, stop) - 1
+        any_seen = (self.seen_prefix[:, last + 1] - self.seen_prefix[:, first]) > 0
+        # ranges are monotone along the rows: a tile's smallest and largest lo / hi are at its ends
+        lo_first, lo_last = self.lo[:, first], self.lo[:, last]
+        hi_first, hi_last = self.hi[:, first], self.hi[:, last]
+        key_first = lo_first // tn * tn
+        key_stop = np.maximum(hi_last, key_first)
+        full_lo = np.minimum(np.maximum(-(-lo_last // tn) * tn, key_first), key_stop)
+        full_hi = np.minimum(np.maximum(hi_first // tn * tn, full_lo), key_stop)
+        visited = np.where(any_seen, (key_stop - key_first + tn - 1) // tn, 0)
+        masked = visited - np.where(any_seen, (full_hi - full_lo) // tn, 0)
         return int(visited.sum()), int(masked.sum())
 
     def key_span(self, start: int, stop: int) -> tuple[int, int]:
         """The keys ``[first, last)`` of the block that rows ``[start, stop)`` see (none: ``(0, 0)``)."""
         lo, hi = self.lo[:, start:stop], self.hi[:, start:stop]
         seen = hi > lo
-        if not bool(seen.any()):
+        if not seen.any():
             return 0, 0
         return int(lo[seen].min()), int(hi[seen].max())
 
     def seen_rows(self, start: int, stop: int) -> tuple[int, int]:
         """``[start, stop)`` trimmed to its first and last rows that see a key (empty: ``(start, start)``)."""
-        counts = self.seen_prefix[:, start:stop + 1].sum(0)
-        if int(counts[-1] - counts[0]) == 0:
+        total = self.seen_total
+        if total[stop] == total[start]:
             return start, start
-        first = start + int((counts[1:] == counts[0]).sum())
-        last = start + int((counts[:-1] < counts[-1]).sum())
-        return first, last
+        first = int(np.searchsorted(total, total[start], side="right")) - 1
+        last = int(np.searchsorted(total, total[stop], side="left"))
+        return max(first, start), min(last, stop)
 
 
 def block_tiles(segments: Segments, world: int, causal: bool, window: int | None, q_chunk: int, kv_chunk: int,
@@ -247,13 +238,14 @@ class _Blocks:
         return self.span_cost(p.q_owner, p.kv_owner, p.row_start, p.row_stop, helper=rank != p.q_owner)
 
     def loads(self, pieces: list[list[_Piece]]) -> list[float]:
-        """Every rank's modeled cost: the pieces it computes, and merging its rows computed elsewhere."""
+        """Every rank's modeled cost: the tasks its pieces make (adjacent ones of a block merged), and
+        merging its rows computed elsewhere."""
         loads = [0.0] * len(pieces)
         for rank, own in enumerate(pieces):
-            for p in own:
-                loads[rank] += self.piece_cost(p, rank)
-                if p.q_owner != rank:
-                    loads[p.q_owner] += self.owner_cost(p.q_owner, p.kv_owner, p.row_start, p.row_stop)
+            for i, j, a, b in _merged_runs(self, own):
+                loads[rank] += self.span_cost(i, j, a, b, helper=rank != i)
+                if i != rank:
+                    loads[i] += self.owner_cost(i, j, a, b)
         return loads
 
 
@@ -346,7 +338,7 @@ def _copy(pieces: list[list[_Piece]]) -> list[list[_Piece]]:
 
 
 def _max_load(blocks: _Blocks, pieces: list[list[_Piece]]) -> float:
-    return max(blocks.loads([[_Piece(*run) for run in _merged_runs(blocks, rank)] for rank in pieces]))
+    return max(blocks.loads(pieces))
 
 
 def _balance(blocks: _Blocks, pieces: list[list[_Piece]], tolerance: float) -> list[list[_Piece]]:
