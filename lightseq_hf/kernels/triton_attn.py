@@ -105,7 +105,8 @@ def dkdv_split(lq: int, lk: int, kv_programs: int, device: torch.device) -> int:
     loop over every query row that sees it: a task with few keys and many query rows (a long document's
     keys in a neighbour's chunk, seen by all its rows here) would run a handful of long programs on an
     otherwise idle GPU. Split the rows until there are about two programs per multiprocessor, keeping at
-    least 16 query blocks of 32 rows per part. ``LIGHTSEQ_DKDV_SPLIT`` forces a count (tests).
+    least 16 query blocks of 32 rows per part. Used for key-range (document) calls only: plain causal
+    calls keep the one-part kernel. ``LIGHTSEQ_DKDV_SPLIT`` forces a count (tests).
     """
     forced = os.environ.get("LIGHTSEQ_DKDV_SPLIT")
     if forced:
@@ -280,7 +281,7 @@ class TritonKernel:
             q_lo, q_hi = query_ranges(k_lo, k_hi, lk)
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
 
-        split = dkdv_split(lq, lk, hk * b, dev)
+        split = dkdv_split(lq, lk, hk * b, dev) if key_range is not None else 1
 
         def grid_kv(meta):
             return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b * split)

@@ -197,9 +197,9 @@ def _attn_bwd_dkdv(
     """``RANGED``: ``KLo``/``KHi`` ``(batch, Lq)`` give each query row its keys ``[lo, hi)``, ``QLo``/``QHi``
     ``(batch, Lk)`` each key its query rows (int32, contiguous, non-decreasing); else all ``None``.
 
-    ``SPLIT`` programs share a key block, each over a contiguous part of its query blocks (grid axis 2 is
-    ``batch * SPLIT``), and write their partial dk/dv at batch index ``batch * SPLIT + part`` of
-    ``DK``/``DV`` (the caller sums the parts); with ``SPLIT`` 1 that is the batch itself."""
+    ``SPLIT`` (``RANGED`` only; else 1) programs share a key block, each over a contiguous part of its query
+    blocks (grid axis 2 is ``batch * SPLIT``), and write their partial dk/dv at batch index
+    ``batch * SPLIT + part`` of ``DK``/``DV`` (the caller sums the parts); with 1 that is the batch."""
     pid_n = tl.program_id(0)  # causal: the first key blocks see the most rows, and start first
     hk = tl.program_id(1)
     pid_b = tl.program_id(2)
@@ -226,11 +226,11 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
-    n_b = tl.num_programs(2) // SPLIT
-    n_h = tl.num_programs(1) * group
-    desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
-    desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
     if RANGED:
+        n_b = tl.num_programs(2) // SPLIT
+        n_h = tl.num_programs(1) * group
+        desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
+        desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
         n_ok = offs_n < Lk
         col_lo = tl.load(QLo + b * Lk + offs_n, mask=n_ok, other=0)
         col_hi = tl.load(QHi + b * Lk + offs_n, mask=n_ok, other=0)
@@ -269,10 +269,12 @@ def _attn_bwd_dkdv(
         else:
             lo = n0 * 0
             mid = n0 * 0
-        first, last = _split_rows(lo, end, part, SPLIT, BLOCK_M)
-        mid = tl.minimum(tl.maximum(mid, first), last)
-        lo = tl.maximum(lo, first)
-        end = tl.minimum(end, last)
+
+        n_b = tl.num_programs(2)
+        n_h = tl.num_programs(1) * group
+        desc_q = row_tiles(Q, n_b, Lq, n_h, sqb, sqs, sqh, HEAD_DIM, BLOCK_M, D_PAD)
+        desc_do = row_tiles(DO, n_b, Lq, n_h, sdob, sdos, sdoh, HEAD_DIM, BLOCK_M, D_PAD)
+        b32 = tl.program_id(2)
         for g in range(group):
             h32 = hk * group + g
             h = h32.to(tl.int64)
