@@ -78,10 +78,13 @@ class TileCost:
 PAIRS = TileCost(tile_m=1, tile_n=1, forward=1.0, backward=0.0, launch=0.0, launches=0, row_tile=0.0)
 #: The first tile model (128 x 128 tiles, hand-set constants; kept for comparisons).
 HAND_SET = TileCost()
-#: Fitted to each rank's compute-only forward+backward time of the Triton kernels, replayed on one H200
-#: (``scripts/replay_packed.py``, ``scripts/fit_tile_cost.py``; see :data:`FITTED_ON`).
-DEFAULT_COST = TileCost()
-FITTED_ON = ""
+#: Fitted to each rank's compute-only forward+backward time of the Triton kernels (32/8 heads, head dim
+#: 128, bf16), replayed rank by rank on one H200 for 96 packed rows of 64K and 128K tokens at P = 2 and 4
+#: (``scripts/fit_tile_cost.py benchmarks/results/raw/replay-packed-h200-2026-11-23-dkdv-split.jsonl``):
+#: a task costs about 0.63 ms beyond its tiles (launches, the ops around them, the kernels' last waves),
+#: as much as 235 tiles; masked tiles cost no more than others once counted.
+DEFAULT_COST = TileCost(tile_m=128, tile_n=128, forward=1.0, backward=4.0, launch=391.976, launches=3,
+                        row_tile=6.649, masked=0.0, helper_row=0.08209, owner_row=0.15574)
 
 
 class BlockTiles:
