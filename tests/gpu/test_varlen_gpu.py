@@ -84,9 +84,9 @@ def test_kernel_per_task_bf16_matches_float64_reference(hk):
         tasks.append((SpanTask(0, 0, 0, n, 0, diagonal=True), n))  # world 1: the whole rows
         for task, ck in tasks:
             rows = slice(task.q_owner * ck + task.row_start, task.q_owner * ck + task.row_stop)
-            ka, kb = task.keys(ck)  # schedule tasks read only the keys their rows see
-            keys = slice(task.kv_owner * ck + ka, task.kv_owner * ck + kb)
-            rng = local_key_range(lo[:, rows], hi[:, rows], keys.start, kb - ka)
+            key_a, key_b = task.keys(ck)  # schedule tasks read only the keys their rows see
+            keys = slice(task.kv_owner * ck + key_a, task.kv_owner * ck + key_b)
+            rng = local_key_range(lo[:, rows], hi[:, rows], keys.start, key_b - key_a)
             blocks = task_doc_blocks(seg, task, ck, True, dev)
             qt, kt, vt, dt = q[:, rows], k[:, keys], v[:, keys], dout[:, rows]
             scale = d ** -0.5
@@ -106,7 +106,7 @@ def test_kernel_per_task_bf16_matches_float64_reference(hk):
             merge_into(want_out, want_lse, r_out, r_lse)
             kernel.forward(qb, kb, vb, causal=False, scale=scale, out=run_out, lse=run_lse, doc_blocks=blocks)
             dq = torch.ones(b, m, h, d, device=dev)
-            dk, dv = (torch.ones(b, kb - ka, hk, d, device=dev) for _ in "kv")
+            dk, dv = (torch.ones(b, key_b - key_a, hk, d, device=dev) for _ in "kv")
             kernel.backward(db, qb, kb, vb, r_out.bfloat16(), r_lse.float(), causal=False, scale=scale,
                             dq=dq, dk=dk, dv=dv, doc_blocks=blocks)
             out_err, lse_err = rel_err(b_out, r_out), rel_err(b_lse, r_lse)
