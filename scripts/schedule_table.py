@@ -11,7 +11,13 @@ import json
 from pathlib import Path
 
 from lightseq_hf.parallel.schedule import Schedule, SpanTask, build_schedule
-from lightseq_hf.parallel.segment_schedule import PAIRS, TileCost, build_segment_schedule, modeled_loads
+from lightseq_hf.parallel.segment_schedule import (
+    DEFAULT_COST,
+    PAIRS,
+    TileCost,
+    build_segment_schedule,
+    modeled_loads,
+)
 from lightseq_hf.parallel.segments import Segments
 
 #: tiles, no fixed costs (what tile counting alone predicts)
@@ -40,7 +46,7 @@ def packed_table(seqs: list[int], worlds: list[int]) -> None:
         seg = Segments(seq, (docs,))
         for world in worlds:
             cells = []
-            for model in (PAIRS, TileCost()):
+            for model in (PAIRS, DEFAULT_COST):
                 sched = build_segment_schedule(world, seg, True, None, cost=model)
                 pairs = modeled_loads(sched, seg, cost=PAIRS)
                 cells.append(f"{spread(pairs):.2%}, {spread(modeled_loads(sched, seg)):.2%}")
@@ -81,7 +87,8 @@ def model_check(path: str) -> None:
                  for r in range(result["world"])]
         print(f"  tasks per rank (q chunk, kv chunk, rows): {tasks}")
         print(f"  measured busy ms {[round(x, 2) for x in busy]}: spread {spread(busy):.2%}")
-        for name, model in (("visible pairs", PAIRS), ("tiles only", TILES_ONLY), ("tile model", TileCost())):
+        models = (("visible pairs", PAIRS), ("tiles only", TILES_ONLY), ("tile model", DEFAULT_COST))
+        for name, model in models:
             loads = modeled_loads(sched, seg, cost=model)
             ratio = [x / loads[0] for x in loads]
             print(f"  {name:13s}: {[round(x) for x in loads]} spread {spread(loads):.2%}, rank / rank 0 "
