@@ -152,16 +152,25 @@ def use_fsdp_cpu_offload(accelerator: Any) -> None:
     plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
 
 
-def model_flops_per_step(model_cfg: Any, n_params: int, seqs: int, seq_len: int) -> float:
+def model_flops_per_step(model_cfg: Any, n_params: int, seqs: int, seq_len: int,
+                         attention_pairs: float | None = None) -> float:
     """Model FLOPs of one training step (no recompute): 6 * params * tokens + causal attention.
 
     Attention: forward 2 * B * H * N^2 * D per layer (causal half of 4 B H N^2 D), forward plus
-    backward 3.5x that.
+    backward 3.5x that. ``attention_pairs``: the step's visible query-key pairs when they are not whole
+    causal sequences (packed documents), 4 * H * D forward FLOPs each per layer.
     """
     heads = model_cfg.num_attention_heads
     head_dim = getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // heads
-    attn = 3.5 * 2 * seqs * heads * seq_len**2 * head_dim * model_cfg.num_hidden_layers
+    pairs = seqs * seq_len**2 / 2 if attention_pairs is None else attention_pairs
+    attn = 3.5 * 4 * pairs * heads * head_dim * model_cfg.num_hidden_layers
     return 6.0 * n_params * seqs * seq_len + attn
+
+
+def packed_attention_pairs(position_ids: torch.Tensor) -> int:
+    """Visible causal pairs of rows whose ``position_ids`` restart at 0 for each document: a document
+    of ``L`` tokens has ``L (L + 1) / 2``, the sum of ``position + 1`` over its tokens."""
+    return int((position_ids.long() + 1).sum())
 
 
 def _peak_tflops(cfg: FinetuneConfig, device: torch.device) -> float | None:
@@ -612,7 +621,14 @@ def train(cfg: FinetuneConfig) -> dict:
                 rec["grad_norm"] = grad_norm
             if skipped:
                 rec["skipped"] = True
-            tflops = flops_per_step / dt / world / 1e12
+            step_flops = flops_per_step
+            if batches and "position_ids" in batches[0]:  # packed documents: count the pairs they see
+                pairs = torch.tensor(float(sum(packed_attention_pairs(b["position_ids"]) for b in batches)),
+                                     device=device)
+                pairs = float(accelerator.reduce(pairs, reduction="sum")) / groups.sp_size
+                step_flops = model_flops_per_step(accelerator.unwrap_model(model).config, n_params,
+                                                  seqs_per_step, cfg.context_length, attention_pairs=pairs)
+            tflops = step_flops / dt / world / 1e12
             if device.type == "cuda":
                 rec["tflops_per_gpu"] = tflops
                 if peak:
