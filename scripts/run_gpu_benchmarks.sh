@@ -12,7 +12,7 @@
 #   search-ours  longest context of ours: lengths in ascending order until a step fails
 #   search-cp    the same for torch context parallel
 #   search       both searches
-#   maxctx-*     issue 14, into OUT_DIR/maxctx-<device>-x<P>-<date>.json (each call appends; <= 9.5 min):
+#   maxctx-*     longest context per memory option, into OUT_DIR/maxctx-<device>-x<P>-<date>.json (each call appends; <= 9.5 min):
 #                maxctx-128k (step time at 128K: default, +offload, +tiled, +offload+tiled),
 #                maxctx-ours (remat+offloadauto+tiled: the planner's fewest offloaded layers for this
 #                GPU and host), maxctx-ours-cpuadam (+ FSDP2 CPU offload),
@@ -20,11 +20,11 @@
 #                (chunked loss, HF checkpointing without offload); SEQS overrides a search's ladder
 #   prefill      first-token latency (scripts/bench_prefill.py, forward only, 7B shape): one GPU at 32K-128K
 #                (SEQS1), then all GPUs at 32K-512K (SEQS; ours against torch CP, with the one-GPU rows)
-#   x4           issue 16 on 4 GPUs in one call (<= 9 min, each step under its own time limit):
+#   x4           the 4-GPU set in one call (<= 9 min, each step under its own time limit):
 #                bench_dist_attn 32K-256K (cuDNN, both head layouts, ablations, per-rank compute and replay,
 #                a 64K trace), prefill on one GPU (32K-128K) and on all GPUs (32K-256K), and the 256K
 #                per-rank compute again with the ranks on the GPUs in reverse order (slow GPU or slow rank?)
-#   x4-train     issue 16's training half on 4 GPUs (<= 9.5 min): bench_dist_attn 32K-256K as in x4 (X4_DIST=0
+#   x4-train     the 4-GPU training half on 4 GPUs (<= 9.5 min): bench_dist_attn 32K-256K as in x4 (X4_DIST=0
 #                skips it), then Llama-2-7B training steps at TRAIN_SEQS (128K and 256K), ours (remat) against torch CP
 # (prefill, x4 and x4-train are not part of all)
 # Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
@@ -94,7 +94,7 @@ if [[ $part == search-cp || $part == search || $part == all ]]; then
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 300 "$gpus" --search-max-context \
     --seqs "${SEQS:-294912,327680}" --variants torch_cp --steps 1 --tag search-cp --out "$out"
 fi
-# issue 14: longest context with each memory option, and the peer at its best (one call per part)
+# longest context with each memory option, and the peer at its best (one call per part)
 maxctx() { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True train 570 "$gpus" --steps 1 --search-max-context \
   --time-budget 500 --out "$out" "$@"; }
 case $part in
@@ -118,7 +118,7 @@ if [[ $part == prefill ]]; then
   fi
 fi
 if [[ $part == x4 ]]; then
-  # Estimated from issue 16's 4 x H200 numbers: dist ~170 s, prefill one GPU ~80 s, prefill 4 GPUs ~150 s,
+  # Estimated from the 4 x H200 numbers: dist ~170 s, prefill one GPU ~80 s, prefill 4 GPUs ~150 s,
   # the reversed-order check ~45 s (process start and model set-up included); limits add ~30% each and
   # a deadline keeps the sum under 9 minutes.
   (( gpus == 4 )) || echo "warning: part x4 expects 4 GPUs, found $gpus" >&2
@@ -149,7 +149,7 @@ if [[ $part == x4 ]]; then
   step "done"
 fi
 if [[ $part == x4-train ]]; then
-  # dist ~170 s; a 7B step with set-up: 128K ~45 s per variant, 256K ~110 s (issue 16: 37.8 / 46.4 s a step).
+  # dist ~170 s; a 7B step with set-up: 128K ~45 s per variant, 256K ~110 s (measured: 37.8 / 46.4 s a step).
   # X4_DIST=0 skips step 1; TRAIN_SEQS picks the lengths; BUDGET_S bounds the part (default 560 s).
   deadline=$((SECONDS + ${BUDGET_S:-560}))
   limit() { local rest=$((deadline - SECONDS)); (( rest < $1 )) && echo $(( rest > 5 ? rest : 5 )) || echo "$1"; }

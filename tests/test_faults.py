@@ -1,4 +1,4 @@
-"""Fault injection (issue 17): nothing lost, nothing silent, no hangs, clean errors.
+"""Fault injection: nothing lost, nothing silent, no hangs, clean errors.
 
 Runs through ``accelerate launch`` on 2 CPU processes kill a rank in the middle of a checkpoint save
 and resume (falls back to the last complete checkpoint, same losses), freeze a rank (every rank ends

@@ -1,10 +1,10 @@
-"""The loss under every wrapping a user gets from accelerate or the Trainer (issue 12), on 2 gloo processes.
+"""The loss under every wrapping a user gets from accelerate or the Trainer, on 2 gloo processes, in float64.
 
 The sequence-parallel tiny Llama (both ranks one group) is wrapped the way accelerate's FSDP2 plugin
 does it (accelerate's own ``fsdp2_prepare_model``: decoder layers, the embedding, and
 ``[final norm, lm_head]`` as their own units — the wrapping that broke the 7B main job), FSDP2 with the
 head under the root only, FSDP2 with the head on its own, FSDP1, DDP, and a LoRA-wrapped head. For each,
-three AdamW steps give the losses and gradients of the unpatched model on one process, and the fused
+three float64 AdamW steps give the losses and gradients of the unpatched model on one process, and the fused
 loss is proven taken: the head ran once per chunk in forward and never in backward.
 """
 
@@ -82,14 +82,22 @@ def _clean(name: str) -> str:
     return name
 
 
-def _run(model, steps, patched_model=None):
-    """Per-step (loss, grads) of AdamW steps on fixed batches."""
+def _float64_loss(model, ids, labels):
+    """The shifted mean cross entropy in float64 (Transformers' own loss computes in float32)."""
+    logits = model(input_ids=ids).logits
+    targets = labels[:, 1:].reshape(-1)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(targets.numel(), -1), targets,
+                                             ignore_index=-100)
+
+
+def _run(model, steps, reference: bool = False):
+    """Per-step (loss, grads) of AdamW steps on fixed float64 batches."""
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     results = []
     for step in range(steps):
         ids, labels = make_batch(2, SEQ, seed=100 + step, ignore_prefix=3)
         opt.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = _float64_loss(model, ids, labels) if reference else model(input_ids=ids, labels=labels).loss
         loss.backward()
         results.append((loss.detach().clone(), _full_grads(model)))
         opt.step()
@@ -97,11 +105,12 @@ def _run(model, steps, patched_model=None):
 
 
 def _reference(how: str):
-    model = make_model("llama", layers=LAYERS, seed=5)
+    # sdpa: eager attention takes its softmax in float32
+    model = make_model("llama", layers=LAYERS, seed=5, _attn_implementation="sdpa").double()
     if how == "lora_head_fsdp2":
         model = _lora(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return _run(model, STEPS)
+    return _run(model, STEPS, reference=True)
 
 
 def _check_wrapping(how: str) -> list[str]:
@@ -109,7 +118,7 @@ def _check_wrapping(how: str) -> list[str]:
     from lightseq_hf.parallel import ops, sharding
 
     ref = _reference(how)  # before patching: the unpatched model on this process alone
-    model = make_model("llama", layers=LAYERS, seed=5)
+    model = make_model("llama", layers=LAYERS, seed=5).double()
     if how == "lora_head_fsdp2":
         model = _lora(model)
     lightseq_hf.patch_model(model)
@@ -140,13 +149,13 @@ def _check_wrapping(how: str) -> list[str]:
     if seen["attention"] != [SEQ // 2] * (LAYERS * STEPS):
         failures.append(f"{how}: distributed attention calls saw local lengths {seen['attention']}")
     for step, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(got, ref)):
-        if rel_err(loss, ref_loss) > 1e-5:
+        if rel_err(loss, ref_loss) > 1e-10:
             failures.append(f"{how} step {step}: loss {loss.item()} vs {ref_loss.item()}")
         if set(grads) != set(ref_grads):
             failures.append(f"{how} step {step}: gradients of {sorted(set(grads) ^ set(ref_grads))} differ")
             continue
         worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
-        if worst[0] > 1e-4:
+        if worst[0] > 1e-8:
             failures.append(f"{how} step {step}: gradient of {worst[1]} off by {worst[0]:.2e}")
     return failures
 

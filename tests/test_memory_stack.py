@@ -1,4 +1,4 @@
-"""The memory options (issue 14): checkpoint offload to host memory and the sequence-tiled MLP.
+"""The memory options: checkpoint offload to host memory and the sequence-tiled MLP.
 
 Each gives the loss and gradients of the plain model — on one process bit for bit (offload) or
 within float32 rounding (tiling), on 2 and 3 gloo processes against the unpatched model on one

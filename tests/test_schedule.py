@@ -101,7 +101,7 @@ def test_balanced_backward_is_balanced_and_every_gradient_computed_once(world):
 
 
 def test_p4_backward_work_and_gradient_merges():
-    """The numbers behind issue 16's backward analysis at P = 4: every rank 2 block units with the same
+    """The numbers behind the backward analysis at P = 4: every rank 2 block units with the same
     kernel shapes (a causal diagonal, a full block, half a block's rows); only the float32 gradient
     merges differ: key owners 0 and 1 add two dk/dv pairs each, ranks 2 and 3 one pair and half a dq,
     or one and a half dq."""

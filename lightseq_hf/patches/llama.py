@@ -88,7 +88,7 @@ class PatchSettings:
     sp_group: dist.ProcessGroup | None
     checkpointing: str
     backend: str
-    # memory options (issue 14): checkpoint offload to host memory; MLP tokens per tile (None: untiled)
+    # memory options: checkpoint offload to host memory; MLP tokens per tile (None: untiled)
     offload_checkpoints: bool | int = False  # True: every layer; N: the first N
     tiled_mlp: int | None = None
 

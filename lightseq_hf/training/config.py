@@ -137,7 +137,7 @@ class TrainingConfig(_Section):
     seed: int = 0
     timeout_s: PosFloat = 600.0  # bound on every collective wait (a frozen or missing peer ends the run)
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
-    # memory options (issue 14; README "Memory")
+    # memory options (README "Memory")
     # what checkpointed layers keep -> pinned host memory, prefetched: true (every layer), N (the first N
     # layers), auto (the fewest layers the planner says the device needs, at launch)
     offload_checkpoints: StrictBool | Annotated[StrictInt, Field(ge=0)] | Literal["auto"] = False

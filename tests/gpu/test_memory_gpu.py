@@ -1,4 +1,4 @@
-"""The memory options on CUDA (issue 14): checkpoint offload through pinned host buffers and a side
+"""The memory options on CUDA: checkpoint offload through pinned host buffers and a side
 stream, partial offload, the head-chunked distributed backward and the tiled MLP, on 2 GPUs (NCCL)
 against the unpatched model on one GPU (float32, TF32 off).
 
