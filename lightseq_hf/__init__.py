@@ -8,6 +8,14 @@ from .patches import patch_llama, patch_model, unpatch_llama
 __version__ = "0.1.0"
 
 __all__ = [
-    "ParityError", "check_parity", "sync_gradients",
+    "ParityCallback", "ParityError", "check_parity", "sync_gradients",
     "build_schedule", "dist_flash_attn", "pad_to_multiple", "patch_llama", "patch_model", "unpatch_llama",
 ]
+
+
+def __getattr__(name: str):
+    if name == "ParityCallback":  # imports Transformers' Trainer: on first use only
+        from .guard.callback import ParityCallback
+
+        return ParityCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -230,11 +230,64 @@ def _no_false_alarm(rank: int, world: int, checks: int) -> tuple[list[str], floa
     return failures, worst
 
 
+class _Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 128, (8, 21), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _trainer_cases(rank: int, world: int) -> list[str]:
+    """ParityCallback under a Trainer (DDP over the group, remat checkpointing): passes, and with the
+    shard order reversed stops every rank with SystemExit(1) before the first optimizer step."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments
+
+    import lightseq_hf
+
+    failures = []
+    for fault in (False, True):
+        model = _model({}, {}, None)
+        before = [p.detach().clone() for p in model.parameters()]
+        callback = lightseq_hf.ParityCallback()
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=1,
+                                     learning_rate=1e-2, per_device_train_batch_size=2, save_strategy="no",
+                                     disable_tqdm=True, gradient_checkpointing=True)
+            trainer = Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[callback])
+            undo = _replace("shard_for", _reversed_shards) if fault else (lambda: None)
+            try:
+                trainer.train()
+                if fault:
+                    failures.append("trainer: the reversed shard order was not caught")
+            except SystemExit as stop:
+                if not fault or stop.code != 1:
+                    failures.append(f"trainer: SystemExit({stop.code}), fault {fault}: {callback.report}")
+            finally:
+                undo()
+        if fault and not all(torch.equal(a, p) for a, p in zip(before, model.parameters())):
+            failures.append("trainer: a step ran before the check stopped it")
+        report = callback.report or {}
+        if report.get("passed") is not (not fault) or not fault and (
+                report.get("gradient_sync") != "sync_gradients" or report.get("sp_size") != world):
+            failures.append(f"trainer: fault {fault}, report {report}")
+        if not fault and not any(e.get("parity_passed") for e in trainer.state.log_history):
+            failures.append(f"trainer: no parity entry in log_history {trainer.state.log_history}")
+    return failures
+
+
 def _worker(rank: int, world: int, false_alarm_checks: int):
     from lightseq_hf.parallel import init_sequence_parallel
 
     init_sequence_parallel(world)
     failures = _correct_cases(rank, world) + _fault_cases(rank, world)
+    if world == 2:
+        failures += _trainer_cases(rank, world)
     more, worst = _no_false_alarm(rank, world, false_alarm_checks)
     return failures + more, worst
 
@@ -245,3 +298,29 @@ def test_parity_check(world, checks):
     failures = [f for result in results for f in (result[0] if isinstance(result, tuple) else result)]
     assert not failures, "\n".join(failures)
     assert all(result[1] < 1e-5 for result in results)
+
+
+def test_single_process_and_bad_input():
+    """Without torch.distributed the check compares the world-1 kernels with the dense reference; an
+    unpatched model and a batch without tokens are refused with one line; the config section."""
+    import transformers
+
+    import lightseq_hf
+    from lightseq_hf.guard import run_first_step_check
+    from lightseq_hf.guard.first_step import ParityConfig
+
+    model = _model({}, {}, "remat")
+    report = lightseq_hf.check_parity(model, _batch("packed", 2, 30, seed=3), max_tokens=40)
+    assert report["passed"] and report["tokens"] <= 40 and report["sp_size"] == 1
+    off = run_first_step_check(model, _batch("plain", 1, 20, seed=1), {"enabled": False})
+    assert off == {"enabled": False}
+    assert run_first_step_check(model, _batch("plain", 1, 20, seed=1), {"rtol": 1e-5})["enabled"]
+    with pytest.raises(ValueError, match="max_tokens"):
+        ParityConfig.model_validate({"max_tokens": 0})
+    with pytest.raises(ValueError, match="extra"):
+        ParityConfig.model_validate({"tolerance": 1e-3})
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2))
+    with pytest.raises(ValueError, match="not patched by lightseq_hf"):
+        lightseq_hf.check_parity(gpt2, _batch("plain", 1, 20, seed=1))
+    with pytest.raises(ValueError, match="needs a batch with input_ids"):
+        lightseq_hf.check_parity(model, {"labels": torch.zeros(1, 4, dtype=torch.long)})

@@ -148,6 +148,14 @@ class _RecordingReference:
         return self.attention(module, query, key, value, scaling, **kwargs)
 
 
+def summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The report's numbers as flat ``parity_*`` entries (for logs, metrics.jsonl, summary.json)."""
+    keys = ("passed", "tokens", "rows", "length", "sp_size", "loss_rel_err", "grad_rel_err",
+            "worst_parameter", "sync_rel_diff", "rtol", "dtype", "gradient_sync", "documents",
+            "padding_tokens", "seconds")
+    return {f"parity_{k}": report[k] for k in keys if k in report}
+
+
 def _backward(model, loss, sync, params, seed) -> tuple[float, tuple[torch.Tensor, torch.Tensor], bool]:
     """Backward, the loop's sync, the gradients' sketch; clears the gradients. (loss, sketch, sharded)."""
     if loss is None:
