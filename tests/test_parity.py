@@ -7,7 +7,10 @@
 * Planted faults fail with their message on every rank: a wrong shard order, a dropped document mask,
   a kernel whose output is off by 1e-4 (relative), a loop without gradient sync, a rank whose attention
   would run unsharded, sequence parallelism silently off (a use_cache=True call).
-* No false alarm in 100 consecutive checks of random correct setups (2 processes, fp32, rtol 1e-5).
+* No false alarm in 100 consecutive checks of random correct setups (2 processes, fp32, rtol 1e-5);
+  under bfloat16 autocast (3 processes) correct setups pass at the default tolerance and a reversed
+  shard order still fails.
+* ParityCallback under a Trainer (2 processes): passes, and stops a faulty run before its first step.
 """
 
 from __future__ import annotations
@@ -281,13 +284,34 @@ def _trainer_cases(rank: int, world: int) -> list[str]:
     return failures
 
 
+def _bf16_cases(rank: int, world: int) -> list[str]:
+    """bfloat16 autocast: correct setups pass at the default tolerance; a reversed shard order fails."""
+    import lightseq_hf
+
+    failures = []
+    model = _model({"arch": "mistral", "sliding_window": 5}, {}, "remat", seed=2)
+    for i, kind in enumerate(("plain", "packed", "padded", "cu", "reversed")):
+        undo = _replace("shard_for", _reversed_shards) if kind == "reversed" else (lambda: None)
+        batch = _batch("plain" if kind == "reversed" else kind, 1 if kind == "cu" else 2, 25 + i, seed=40 + i)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                report = lightseq_hf.check_parity(model, batch, sync=lightseq_hf.sync_gradients)
+            if kind == "reversed" or report["dtype"] != "bfloat16" or report["rtol"] != 0.1:
+                failures.append(f"bf16 {kind}: {report}")
+        except lightseq_hf.ParityError as err:
+            if kind != "reversed":
+                failures.append(f"bf16 {kind}: {err}")
+        finally:
+            undo()
+    return failures
+
+
 def _worker(rank: int, world: int, false_alarm_checks: int):
     from lightseq_hf.parallel import init_sequence_parallel
 
     init_sequence_parallel(world)
     failures = _correct_cases(rank, world) + _fault_cases(rank, world)
-    if world == 2:
-        failures += _trainer_cases(rank, world)
+    failures += _trainer_cases(rank, world) if world == 2 else _bf16_cases(rank, world)
     more, worst = _no_false_alarm(rank, world, false_alarm_checks)
     return failures + more, worst
 
@@ -324,3 +348,21 @@ def test_single_process_and_bad_input():
         lightseq_hf.check_parity(gpt2, _batch("plain", 1, 20, seed=1))
     with pytest.raises(ValueError, match="needs a batch with input_ids"):
         lightseq_hf.check_parity(model, {"labels": torch.zeros(1, 4, dtype=torch.long)})
+
+
+def test_default_cost_on_the_7b_configs():
+    """The default prefix costs under 5% of the first optimizer step's model FLOPs on the GPU configs."""
+    import types
+    from pathlib import Path
+
+    import yaml
+
+    from lightseq_hf.guard.first_step import check_cost_fraction
+
+    for name, world in (("llama2-7b-32k-2gpu", 2), ("llama2-7b-64k", 8), ("llama3-8b-128k", 8)):
+        cfg = yaml.safe_load((Path(__file__).parent.parent / "configs" / f"{name}.yaml").read_text())
+        model = types.SimpleNamespace(**cfg["model"]["config"])
+        train = cfg["training"]
+        fraction = check_cost_fraction(model, cfg["context_length"], cfg.get("sp_size") or world,
+                                       train.get("grad_accum", 1), train.get("batch_size", 1))
+        assert 0 < fraction < 0.05, (name, fraction)

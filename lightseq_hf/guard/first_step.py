@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
 
-from .parity import check_parity
+from ..metrics import matmul_params, model_flops_per_step
+from .parity import check_parity, default_max_tokens
 
 
 class ParityConfig(BaseModel):
@@ -50,3 +51,20 @@ def run_first_step_check(
         return {"enabled": False}
     report = check_parity(model, batch, max_tokens=config.max_tokens, rtol=config.rtol, sync=sync)
     return {"enabled": True, **report}
+
+
+def check_cost_fraction(model_config: Any, context_length: int, sp_size: int, micro_batches: int,
+                        rows: int = 1, max_tokens: int | None = None) -> float:
+    """Model FLOPs of the check over those of the first optimizer step, per rank, for a Llama-style
+    ``model_config`` (no recompute counted on either side).
+
+    The step: ``micro_batches`` micro-batches of ``rows x context_length`` tokens split over ``sp_size``
+    ranks. The check on ``n`` tokens: the same computation split over the group, plus on every rank the
+    unsharded pass with dense attention (all ``n^2`` pairs, masked ones included).
+    """
+    tokens = max_tokens or default_max_tokens(rows, context_length, sp_size)
+    n_params = matmul_params(model_config)
+    step = micro_batches * model_flops_per_step(model_config, n_params, rows, context_length) / sp_size
+    sharded = model_flops_per_step(model_config, n_params, 1, tokens) / sp_size
+    unsharded = model_flops_per_step(model_config, n_params, 1, tokens, attention_pairs=tokens**2)
+    return (sharded + unsharded) / step

@@ -105,6 +105,8 @@ def check_parity(
     device = _device_of(model)
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prefix.batch.items()}
     if inputs.get("labels") is None and inputs.get("shift_labels") is None:
+        if inputs.get("input_ids") is None:
+            raise ValueError("the parity check's batch has inputs_embeds and no labels; pass labels.")
         inputs["labels"] = inputs["input_ids"]
     _check_same_groups(_gather((rank, sp_ranks)))
     docs = document_ids(inputs, prefix.rows, prefix.length, device)
