@@ -10,7 +10,8 @@
 * No false alarm in 100 consecutive checks of random correct setups (2 processes, fp32, rtol 1e-5);
   under bfloat16 autocast (3 processes) correct setups pass at the default tolerance and a reversed
   shard order still fails.
-* ParityCallback under a Trainer (2 processes): passes, and stops a faulty run before its first step.
+* ParityCallback under a Trainer and TRL's SFTTrainer (padding_free) on 2 processes: passes, and stops a
+  faulty run before its first step.
 """
 
 from __future__ import annotations
@@ -244,43 +245,62 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _trainer_cases(rank: int, world: int) -> list[str]:
-    """ParityCallback under a Trainer (DDP over the group, remat checkpointing): passes, and with the
-    shard order reversed stops every rank with SystemExit(1) before the first optimizer step."""
-    import tempfile
-
+def _make_trainer(kind: str, out: str, callback):
     from transformers import Trainer, TrainingArguments
+
+    common = dict(output_dir=out, use_cpu=True, report_to=[], max_steps=1, learning_rate=1e-2,
+                  per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True,
+                  gradient_checkpointing=True)
+    if kind == "trainer":
+        return Trainer(model=_model({}, {}, None), args=TrainingArguments(**common), train_dataset=_Tokens(),
+                       callbacks=[callback])
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {f"t{i}": i for i in range(128)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t2")),
+                                        pad_token="t0", eos_token="t1", unk_token="t2")
+    data = Dataset.from_dict({"input_ids": [list(range(3, 3 + n)) for n in (17, 23, 12, 20)]})
+    return SFTTrainer(model=_model({}, {}, None), args=SFTConfig(padding_free=True, max_length=32, **common),
+                      train_dataset=data, processing_class=tokenizer, callbacks=[callback])
+
+
+def _trainer_cases(rank: int, world: int) -> list[str]:
+    """ParityCallback under a Trainer (DDP over the group, remat checkpointing) and TRL's SFTTrainer with
+    padding_free (packed rows): passes; with the shard order reversed it stops every rank with
+    SystemExit(1) before the first optimizer step."""
+    import tempfile
 
     import lightseq_hf
 
     failures = []
-    for fault in (False, True):
-        model = _model({}, {}, None)
-        before = [p.detach().clone() for p in model.parameters()]
+    for kind, fault in (("trainer", False), ("trainer", True), ("trl padding_free", False)):
         callback = lightseq_hf.ParityCallback()
         with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], max_steps=1,
-                                     learning_rate=1e-2, per_device_train_batch_size=2, save_strategy="no",
-                                     disable_tqdm=True, gradient_checkpointing=True)
-            trainer = Trainer(model=model, args=args, train_dataset=_Tokens(), callbacks=[callback])
+            trainer = _make_trainer(kind, out, callback)
+            before = [p.detach().clone() for p in trainer.model.parameters()]
             undo = _replace("shard_for", _reversed_shards) if fault else (lambda: None)
             try:
                 trainer.train()
                 if fault:
-                    failures.append("trainer: the reversed shard order was not caught")
+                    failures.append(f"{kind}: the reversed shard order was not caught")
             except SystemExit as stop:
                 if not fault or stop.code != 1:
-                    failures.append(f"trainer: SystemExit({stop.code}), fault {fault}: {callback.report}")
+                    failures.append(f"{kind}: SystemExit({stop.code}), fault {fault}: {callback.report}")
             finally:
                 undo()
-        if fault and not all(torch.equal(a, p) for a, p in zip(before, model.parameters())):
-            failures.append("trainer: a step ran before the check stopped it")
+        if fault and not all(torch.equal(a, p) for a, p in zip(before, trainer.model.parameters())):
+            failures.append(f"{kind}: a step ran before the check stopped it")
         report = callback.report or {}
         if report.get("passed") is not (not fault) or not fault and (
-                report.get("gradient_sync") != "sync_gradients" or report.get("sp_size") != world):
-            failures.append(f"trainer: fault {fault}, report {report}")
+                report.get("gradient_sync") != "sync_gradients" or report.get("sp_size") != world
+                or kind.startswith("trl") and report.get("documents", 0) < 2):
+            failures.append(f"{kind}: fault {fault}, report {report}")
         if not fault and not any(e.get("parity_passed") for e in trainer.state.log_history):
-            failures.append(f"trainer: no parity entry in log_history {trainer.state.log_history}")
+            failures.append(f"{kind}: no parity entry in log_history {trainer.state.log_history}")
     return failures
 
 
