@@ -264,8 +264,9 @@ def _make_trainer(kind: str, out: str, callback):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t2")),
                                         pad_token="t0", eos_token="t1", unk_token="t2")
     data = Dataset.from_dict({"input_ids": [list(range(3, 3 + n)) for n in (17, 23, 12, 20)]})
-    return SFTTrainer(model=_model({}, {}, None), args=SFTConfig(padding_free=True, max_length=32, **common),
-                      train_dataset=data, processing_class=tokenizer, callbacks=[callback])
+    args = SFTConfig(padding_free=True, max_length=None, **common)
+    return SFTTrainer(model=_model({}, {}, None), args=args, train_dataset=data, processing_class=tokenizer,
+                      callbacks=[callback])
 
 
 def _trainer_cases(rank: int, world: int) -> list[str]:
