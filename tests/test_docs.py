@@ -89,12 +89,12 @@ def _namespace(model_dir: str, out_dir: str) -> dict:
 
     g = torch.Generator().manual_seed(7)
     rows = [torch.randint(4, 128, (64,), generator=g).tolist() for _ in range(4)]
-    dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}).with_format("torch")
     texts = [" ".join(f"t{int(t)}" for t in torch.randint(4, 128, (int(n),), generator=g))
              for n in torch.randint(8, 40, (12,), generator=g)]
     return {"MODEL": model_dir, "OUT": out_dir, "dataset": dataset,
             "text_dataset": datasets.Dataset.from_dict({"text": texts}),
-            "loader": torch.utils.data.DataLoader(dataset.with_format("torch"), batch_size=1)}
+            "loader": torch.utils.data.DataLoader(dataset, batch_size=1)}
 
 
 def _same_on_every_rank(value, what: str, where: str) -> list[str]:
@@ -121,9 +121,10 @@ def python_worker(rank, world, blocks, model_dir, out_dir):
     import lightseq_hf
 
     logging.getLogger("lightseq_hf").setLevel(logging.ERROR)
-    joined = dist.init_process_group
-    # the processes are already joined: a block's own init_process_group() is the launcher's job here
+    joined, destroy = dist.init_process_group, dist.destroy_process_group
+    # this harness joined the processes and tears the group down: a block's own init/destroy are no-ops
     dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else joined(*a, **k)
+    dist.destroy_process_group = lambda *a, **k: None
     failures = []
     for where, code in blocks:
         ns = _namespace(model_dir, out_dir)
@@ -143,7 +144,7 @@ def python_worker(rank, world, blocks, model_dir, out_dir):
             lightseq_hf.unpatch_llama()
         if rank == 0:
             print(f"{where}: {time.perf_counter() - tic:.1f}s", flush=True)
-    dist.init_process_group = joined
+    dist.init_process_group, dist.destroy_process_group = joined, destroy
     return failures
 
 
