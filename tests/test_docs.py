@@ -88,10 +88,10 @@ def _namespace(model_dir: str, out_dir: str) -> dict:
     import torch
 
     g = torch.Generator().manual_seed(7)
-    rows = [torch.randint(4, 128, (64,), generator=g).tolist() for _ in range(4)]
+    rows = [torch.randint(4, 128, (64,), generator=g).tolist() for _ in range(2)]  # few steps per block
     dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}).with_format("torch")
     texts = [" ".join(f"t{int(t)}" for t in torch.randint(4, 128, (int(n),), generator=g))
-             for n in torch.randint(8, 40, (12,), generator=g)]
+             for n in torch.randint(8, 40, (6,), generator=g)]
     return {"MODEL": model_dir, "OUT": out_dir, "dataset": dataset,
             "text_dataset": datasets.Dataset.from_dict({"text": texts}),
             "loader": torch.utils.data.DataLoader(dataset, batch_size=1)}
