@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -186,10 +187,11 @@ def _linked_tree(root: Path) -> Path:
 
 
 def _with_budget(command: str) -> str:
+    """The command without its trailing comment; a training run gets a small budget appended."""
     tokens = split_command(command)
     if not any(e in command for e in TRAINING_ENTRIES) or any(f in tokens for f in NO_TRAINING_FLAGS):
-        return command
-    return " ".join([command, *(v for k, v in FAST.items() if k not in command)])
+        return shlex.join(tokens)
+    return shlex.join([*tokens, *(v for k, v in FAST.items() if not any(k in t for t in tokens))])
 
 
 def _cpu_shell_pages() -> dict[Path, list]:
