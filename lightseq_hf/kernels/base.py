@@ -322,8 +322,8 @@ class AttentionKernel(Protocol):
 
 class KernelBase:
     """Base of every backend: builds the :class:`AttentionMask` from the keywords, checks q, k, v
-    (:func:`check_qkv`), refuses what ``capabilities`` does not declare, and calls ``_forward`` /
-    ``_backward`` with the mask.
+    (:func:`check_qkv`), refuses what ``capabilities`` does not declare (:meth:`check_call`: the only
+    device, dtype, head-dim and mask checks a backend needs), and calls ``_forward`` / ``_backward``.
 
     A backend sets ``name`` and ``capabilities``, implements ``_forward(q, k, v, mask, *, scale, out,
     lse)`` and ``_backward(dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv)``, and may override
@@ -337,37 +337,33 @@ class KernelBase:
         """Why the backend cannot run on ``device`` now beyond its declared capabilities, or None."""
         return None
 
-    def check_mask(self, mask: AttentionMask, q: torch.Tensor, v: torch.Tensor) -> None:
-        """Raise ValueError naming the backend when it does not take ``mask`` (or ``v``'s head dim)."""
+    def check_call(self, mask: AttentionMask, q: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ValueError naming the backend when its capabilities do not take this call (device, dtype,
+        head dims, mask kind and representation, softcap) or it cannot run now."""
         caps = self.capabilities
-        missing = None
-        if mask.key_range is not None and not caps.supports_key_range:
-            missing = "key_range masks (packed documents, padding, sliding windows)"
-        elif mask.doc_blocks is not None and not caps.supports_doc_blocks:
-            missing = "doc_blocks (packed documents as independent blocks)"
-        elif mask.window is not None and not caps.supports_window:
-            missing = "sliding windows"
-        elif mask.softcap is not None and not caps.supports_softcap:
-            missing = "logit soft-capping (softcap)"
-        elif v.shape[-1] != q.shape[-1] and not caps.supports_value_head_dim:
-            missing = (f"a value head dim ({v.shape[-1]}) different from the query/key head dim "
-                       f"({q.shape[-1]})")
-        if missing is not None:
-            raise ValueError(f"backend {self.name!r} does not take {missing}; use backend='reference' or "
-                             "'auto', which picks a backend that does.")
+        request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], mask.kind,
+                                mask.softcap is not None)
+        reason = caps.refusal(request) or self.unavailable(q.device, q.dtype)
+        if reason is None and mask.key_range is not None and not caps.supports_key_range:
+            reason = "does not take key_range masks (it takes packed documents as doc_blocks)"
+        if reason is None and mask.doc_blocks is not None and not caps.supports_doc_blocks:
+            reason = "does not take doc_blocks (it takes packed documents as key_range masks)"
+        if reason is not None:
+            raise ValueError(f"backend {self.name!r} {reason}; use backend='reference', or 'auto' to pick "
+                             "one that takes the call.")
 
     def forward(self, q, k, v, *, causal, scale, out=None, lse=None, key_range=None, doc_blocks=None,
                 window=None, softcap=None):
         mask = AttentionMask(causal, key_range, doc_blocks, window, softcap)
         check_qkv(q, k, v)
-        self.check_mask(mask, q, v)
+        self.check_call(mask, q, v)
         return self._forward(q, k, v, mask, scale=scale, out=out, lse=lse)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None,
                  key_range=None, doc_blocks=None, window=None, softcap=None):
         mask = AttentionMask(causal, key_range, doc_blocks, window, softcap)
         check_qkv(q, k, v)
-        self.check_mask(mask, q, v)
+        self.check_call(mask, q, v)
         return self._backward(dout, q, k, v, out, lse, mask, scale=scale, delta=delta, dq=dq, dk=dk, dv=dv)
 
     def _forward(self, q, k, v, mask: AttentionMask, *, scale, out, lse):

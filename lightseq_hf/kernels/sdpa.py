@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from .base import Capabilities, KernelBase, check_qkv, merge_into
+from .base import Capabilities, KernelBase, merge_into
 
 FLAVORS = ("cudnn", "flash")
 
@@ -68,15 +68,7 @@ class SdpaKernel(KernelBase):
         self._lse_ndim = 4  # cuDNN's (b, h, s, 1) layout until a forward reports its own
 
     @staticmethod
-    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-        check_qkv(q, k, v)
-        if q.device.type != "cuda":
-            raise ValueError(f"the SDPA backends need CUDA tensors; got {q.device}. Use backend='reference'.")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"the SDPA backends take float16 or bfloat16, not {q.dtype}; cast the inputs or use "
-                "backend='reference'."
-            )
+    def _check(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
         if causal and q.shape[1] != k.shape[1]:
             raise ValueError(
                 "the SDPA backends align causal masks top-left, which differs from this library's "
@@ -89,7 +81,7 @@ class SdpaKernel(KernelBase):
         return t if group == 1 else t.repeat_interleave(group, dim=2)
 
     def _forward(self, q, k, v, mask, *, scale, out, lse):
-        self._check(q, k, v, mask.causal)
+        self._check(q, k, mask.causal)
         h = q.shape[2]
         qt, kt, vt = (x.transpose(1, 2) for x in (q, self._expand(k, h), self._expand(v, h)))
         res_out, res_lse = sdpa_forward(self.flavor, qt, kt, vt, mask.causal, scale)
@@ -113,7 +105,7 @@ class SdpaKernel(KernelBase):
         return sdpa_backward("flash", dot, qt, kt, vt, ot, lse, causal, scale)
 
     def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
-        self._check(q, k, v, mask.causal)
+        self._check(q, k, mask.causal)
         if out is None:
             raise ValueError("the SDPA backends need the attention output in backward (not only delta).")
         b, lq, h, d = q.shape
@@ -123,8 +115,9 @@ class SdpaKernel(KernelBase):
         gq, gk, gv = (g.transpose(1, 2) for g in self._op_backward(dot, qt, kt, vt, ot,
                                                                     lse.float().contiguous(), mask.causal,
                                                                     scale))
-        if h != hk:  # each key/value head's gradient sums over its group of query heads, in float32
-            gk, gv = (g.reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32) for g in (gk, gv))
+        if h != hk:  # each key/value head's gradient sums over its group of query heads, in float32 (or 64)
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            gk, gv = (g.reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=acc) for g in (gk, gv))
         result = []
         for given, computed in ((dq, gq), (dk, gk), (dv, gv)):
             if given is None:

@@ -13,33 +13,13 @@ import functools
 import torch
 import triton
 
-from .base import Capabilities, KernelBase, check_key_range, check_qkv
+from .base import Capabilities, KernelBase, check_key_range
 from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
 from .triton_common import LOG2E, bucket, interpreting
 from .triton_fwd import _attn_fwd
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check_qkv(q, k, v)
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"the triton backend needs CUDA tensors; got tensors on {q.device}. Move them to a GPU, set "
-            "TRITON_INTERPRET=1 (before importing triton) to run in Triton's CPU interpreter, or use "
-            "backend='reference'."
-        )
-    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"the triton backend supports head dims {SUPPORTED_HEAD_DIMS}; got {q.shape[3]}. "
-            "Use backend='reference' (any head dim) for this model."
-        )
-    if q.dtype not in _DTYPES:
-        raise ValueError(
-            f"the triton backend supports float16, bfloat16 and float32 inputs; got {q.dtype}. "
-            "Cast the inputs, or use backend='reference' for float64."
-        )
 
 
 def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
@@ -152,7 +132,6 @@ class TritonKernel(KernelBase):
     def _forward(self, q, k, v, mask, *, scale, out, lse):
         """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merges into them.
         ``key_range``: per-row key ranges (document / window masks; tiles no row sees are skipped)."""
-        _check_inputs(q, k, v)
         check_key_range(mask.key_range, q)
         key_range, causal = mask.key_range, mask.causal
         k_lo, k_hi = (None, None) if key_range is None else (r.contiguous() for r in key_range)
@@ -211,7 +190,6 @@ class TritonKernel(KernelBase):
 
     def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
         """float32 ``(dq, dk, dv)`` of this chunk (added into ``dq``/``dk``/``dv`` when given)."""
-        _check_inputs(q, k, v)
         check_key_range(mask.key_range, q)
         key_range, causal = mask.key_range, mask.causal
         b, lq, h, d = q.shape
