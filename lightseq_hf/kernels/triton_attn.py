@@ -195,28 +195,7 @@ class TritonKernel(KernelBase):
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         dev = q.device
-        if tuple(dout.shape) != tuple(q.shape) or dout.device != dev:
-            raise ValueError(f"dout must have q's shape {tuple(q.shape)} on {dev}; got {tuple(dout.shape)}.")
-        if dout.dtype != q.dtype:
-            raise ValueError(f"dout dtype {dout.dtype} differs from q's {q.dtype}; cast dout to q's dtype.")
-        if tuple(lse.shape) != (b, h, lq) or lse.device != dev:
-            raise ValueError(f"lse must have shape {(b, h, lq)} on {dev}; got {tuple(lse.shape)}.")
-        if delta is None:
-            if tuple(out.shape) != tuple(q.shape) or out.device != dev:
-                raise ValueError(f"out must have q's shape {tuple(q.shape)}; got {tuple(out.shape)}.")
-        else:
-            _check_buffer("delta", delta, (b, h, lq), dev)
-        if (dk is None) != (dv is None):
-            raise ValueError("pass dk and dv together (both or neither): they share one kernel.")
-        grads = []
-        shapes = (("dq", dq, (b, lq, h, d)), ("dk", dk, (b, lk, hk, d)), ("dv", dv, (b, lk, hk, d)))
-        for name, given, shape in shapes:
-            if given is None:
-                grads.append(torch.empty(shape, dtype=torch.float32, device=dev))
-            else:
-                _check_buffer(name, given, shape, dev)
-                grads.append(given)
-        dq_t, dk_t, dv_t = grads
+        dq_t, dk_t, dv_t = _backward_buffers(dout, q, k, out, lse, delta, dq, dk, dv)
         if lq == 0 or lk == 0 or b == 0 or h == 0:
             for given, t in ((dq, dq_t), (dk, dk_t), (dv, dv_t)):
                 if given is None:
@@ -228,21 +207,7 @@ class TritonKernel(KernelBase):
         _ensure_allocator(dev)
         d_pad = triton.next_power_of_2(d)
         if delta is None:
-            delta = torch.empty((b, h, lq), dtype=torch.float32, device=dev)
-            block = 16 if interpreting() else 64
-            _delta_kernel[(triton.cdiv(lq, block), h, b)](
-                out,
-                dout,
-                delta,
-                *_s(out),
-                *_s(dout),
-                *_s(delta),
-                lq,
-                HEAD_DIM=d,
-                D_PAD=d_pad,
-                BLOCK_M=block,
-                num_warps=4,
-            )
+            delta = _delta(out, dout, d_pad)
         common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype),
                   "RANGED": key_range is not None}
         k_lo = k_hi = q_lo = q_hi = None
@@ -250,72 +215,139 @@ class TritonKernel(KernelBase):
             k_lo, k_hi = key_range[0].contiguous(), key_range[1].contiguous()
             q_lo, q_hi = query_ranges(k_lo, k_hi, lk)
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
-
         split = 1
         if key_range is not None:
             split = self.dkdv_split or dkdv_split(lq, lk, hk * b, dev)
-
-        def grid_kv(meta):
-            return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b * split)
-
-        if split > 1:  # each part writes its own dk/dv, summed below
-            dk_out = torch.empty((b * split, lk, hk, d), dtype=torch.float32, device=dev)
-            dv_out = torch.empty_like(dk_out)
-        else:
-            dk_out, dv_out = dk_t, dv_t
-        _attn_bwd_dkdv[grid_kv](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dk_out,
-            dv_out,
-            k_lo,
-            k_hi,
-            q_lo,
-            q_hi,
-            *_s(q),
-            *_s(k),
-            *_s(v),
-            *_s(dout),
-            *_s(lse),
-            *_s(delta),
-            *_s(dk_out),
-            *_s(dv_out),
-            *lens,
-            split,
-            ACCUM=dk is not None and split == 1,
-            **common,
-        )
-        if split > 1:
-            for given, out_t, parts in ((dk, dk_t, dk_out), (dv, dv_t, dv_out)):
-                total = parts.view(b, split, lk, hk, d).sum(1)
-                out_t.add_(total) if given is not None else out_t.copy_(total)
-
-        def grid_q(meta):
-            return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
-
-        _attn_bwd_dq[grid_q](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq_t,
-            k_lo,
-            k_hi,
-            *_s(q),
-            *_s(k),
-            *_s(v),
-            *_s(dout),
-            *_s(lse),
-            *_s(delta),
-            *_s(dq_t),
-            *lens,
-            ACCUM=dq is not None,
-            **common,
-        )
+        _dkdv(q, k, v, dout, lse, delta, (dk_t, dk is not None), (dv_t, dv is not None),
+              (k_lo, k_hi, q_lo, q_hi), lens, split, common)
+        _dq(q, k, v, dout, lse, delta, dq_t, dq is not None, (k_lo, k_hi), lens, common)
         return dq_t, dk_t, dv_t
+
+
+def _backward_buffers(dout, q, k, out, lse, delta, dq, dk, dv) -> tuple[torch.Tensor, ...]:
+    """Check the backward's inputs and buffers; the float32 ``(dq, dk, dv)`` to write (given or new)."""
+    b, lq, h, d = q.shape
+    lk, hk = k.shape[1], k.shape[2]
+    dev = q.device
+    if tuple(dout.shape) != tuple(q.shape) or dout.device != dev:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)} on {dev}; got {tuple(dout.shape)}.")
+    if dout.dtype != q.dtype:
+        raise ValueError(f"dout dtype {dout.dtype} differs from q's {q.dtype}; cast dout to q's dtype.")
+    if tuple(lse.shape) != (b, h, lq) or lse.device != dev:
+        raise ValueError(f"lse must have shape {(b, h, lq)} on {dev}; got {tuple(lse.shape)}.")
+    if delta is None:
+        if tuple(out.shape) != tuple(q.shape) or out.device != dev:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}; got {tuple(out.shape)}.")
+    else:
+        _check_buffer("delta", delta, (b, h, lq), dev)
+    if (dk is None) != (dv is None):
+        raise ValueError("pass dk and dv together (both or neither): they share one kernel.")
+    grads = []
+    shapes = (("dq", dq, (b, lq, h, d)), ("dk", dk, (b, lk, hk, d)), ("dv", dv, (b, lk, hk, d)))
+    for name, given, shape in shapes:
+        if given is None:
+            grads.append(torch.empty(shape, dtype=torch.float32, device=dev))
+        else:
+            _check_buffer(name, given, shape, dev)
+            grads.append(given)
+    return tuple(grads)
+
+
+def _delta(out: torch.Tensor, dout: torch.Tensor, d_pad: int) -> torch.Tensor:
+    """``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)``, by the Triton delta kernel."""
+    b, lq, h, d = dout.shape
+    delta = torch.empty((b, h, lq), dtype=torch.float32, device=dout.device)
+    block = 16 if interpreting() else 64
+    _delta_kernel[(triton.cdiv(lq, block), h, b)](
+        out,
+        dout,
+        delta,
+        *_s(out),
+        *_s(dout),
+        *_s(delta),
+        lq,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_M=block,
+        num_warps=4,
+    )
+    return delta
+
+
+def _dkdv(q, k, v, dout, lse, delta, dk, dv, ranges, lens, split, common) -> None:
+    """The dk/dv kernel into ``dk = (buffer, accumulate)`` / ``dv``; with ``split`` parts, each part writes
+    its own partial dk/dv, summed after. ``ranges``: ``(k_lo, k_hi, q_lo, q_hi)`` (Nones without ranges)."""
+    (dk_t, add_dk), (dv_t, add_dv) = dk, dv
+    k_lo, k_hi, q_lo, q_hi = ranges
+    b, lk, hk, d = k.shape
+    dev = q.device
+
+    def grid_kv(meta):
+        return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b * split)
+
+    if split > 1:  # each part writes its own dk/dv, summed below
+        dk_out = torch.empty((b * split, lk, hk, d), dtype=torch.float32, device=dev)
+        dv_out = torch.empty_like(dk_out)
+    else:
+        dk_out, dv_out = dk_t, dv_t
+    _attn_bwd_dkdv[grid_kv](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk_out,
+        dv_out,
+        k_lo,
+        k_hi,
+        q_lo,
+        q_hi,
+        *_s(q),
+        *_s(k),
+        *_s(v),
+        *_s(dout),
+        *_s(lse),
+        *_s(delta),
+        *_s(dk_out),
+        *_s(dv_out),
+        *lens,
+        split,
+        ACCUM=add_dk and split == 1,
+        **common,
+    )
+    if split > 1:
+        for add, out_t, parts in ((add_dk, dk_t, dk_out), (add_dv, dv_t, dv_out)):
+            total = parts.view(b, split, lk, hk, d).sum(1)
+            out_t.add_(total) if add else out_t.copy_(total)
+
+
+def _dq(q, k, v, dout, lse, delta, dq_t, add, ranges, lens, common) -> None:
+    """The dq kernel into ``dq_t`` (added to it when ``add``); ``ranges``: ``(k_lo, k_hi)`` or Nones."""
+    b, lq, h, _ = q.shape
+    k_lo, k_hi = ranges
+
+    def grid_q(meta):
+        return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
+
+    _attn_bwd_dq[grid_q](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq_t,
+        k_lo,
+        k_hi,
+        *_s(q),
+        *_s(k),
+        *_s(v),
+        *_s(dout),
+        *_s(lse),
+        *_s(delta),
+        *_s(dq_t),
+        *lens,
+        ACCUM=add,
+        **common,
+    )

@@ -226,6 +226,43 @@ def dist_attn_forward(
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
+def _plan_gradients(
+    schedule: Schedule,
+    t: int,
+    rank: int,
+    produced: Bundle | None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+) -> tuple[Transfers, list[Callable[[], None]]]:
+    """Transfers of step ``t``'s gradients: this rank's partial dq/dk/dv of another's rows or keys go out
+    (``produced``), the partials of its own come in (in the input ``dtypes``) and are added into the float32
+    ``grads`` on arrival."""
+    dq, dk, dv = grads
+    transfers, merges = Transfers(), []
+    step = schedule.steps[t]
+    mine = step[rank]
+    if mine is not None:
+        if mine.q_owner != rank:
+            transfers.sends.append((mine.q_owner, produced["dq"]))
+        if mine.kv_owner != rank:
+            transfers.sends += [(mine.kv_owner, produced["dk"]), (mine.kv_owner, produced["dv"])]
+    for peer, task in enumerate(step):
+        if peer == rank or task is None:
+            continue
+        if task.q_owner == rank:
+            target = _rows(dq, task, 1)
+            buf = _buffer_like(target, dtypes[0])
+            transfers.recvs.append((peer, buf))
+            merges.append(lambda x=target, b=buf: x.add_(b))
+        if task.kv_owner == rank:
+            keys_k, keys_v = _keys(dk, task), _keys(dv, task)
+            bk, bv = _buffer_like(keys_k, dtypes[1]), _buffer_like(keys_v, dtypes[2])
+            transfers.recvs += [(peer, bk), (peer, bv)]
+            merges.append(lambda x=keys_k, b=bk: x.add_(b))
+            merges.append(lambda x=keys_v, b=bv: x.add_(b))
+    return transfers, merges
+
+
 def dist_attn_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -299,29 +336,7 @@ def dist_attn_backward(
         }
 
     def plan_results(t: int, produced: Bundle | None):
-        transfers, merges = Transfers(), []
-        step = schedule.steps[t]
-        mine = step[rank]
-        if mine is not None:
-            if mine.q_owner != rank:
-                transfers.sends.append((mine.q_owner, produced["dq"]))
-            if mine.kv_owner != rank:
-                transfers.sends += [(mine.kv_owner, produced["dk"]), (mine.kv_owner, produced["dv"])]
-        for peer, task in enumerate(step):
-            if peer == rank or task is None:
-                continue
-            if task.q_owner == rank:
-                target = _rows(dq, task, 1)
-                buf = _buffer_like(target, q.dtype)
-                transfers.recvs.append((peer, buf))
-                merges.append(lambda x=target, b=buf: x.add_(b))
-            if task.kv_owner == rank:
-                keys_k, keys_v = _keys(dk, task), _keys(dv, task)
-                bk, bv = _buffer_like(keys_k, k.dtype), _buffer_like(keys_v, v.dtype)
-                transfers.recvs += [(peer, bk), (peer, bv)]
-                merges.append(lambda x=keys_k, b=bk: x.add_(b))
-                merges.append(lambda x=keys_v, b=bv: x.add_(b))
-        return transfers, merges
+        return _plan_gradients(schedule, t, rank, produced, (dq, dk, dv), (q.dtype, k.dtype, v.dtype))
 
     _run_steps(comm, len(schedule.steps), plan_inputs, compute, plan_results)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
