@@ -32,7 +32,7 @@ from bench_packed import lognormal_docs  # noqa: E402
 
 from lightseq_hf.kernels import get_kernel  # noqa: E402
 from lightseq_hf.parallel.comm import PeerComm, set_transfer_mode  # noqa: E402
-from lightseq_hf.parallel.dist_attn import dist_attn_backward, dist_attn_forward  # noqa: E402
+from lightseq_hf.parallel.dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import (  # noqa: E402
     DEFAULT_COST,
     HAND_SET,
@@ -72,10 +72,7 @@ class TimedKernel:
         self.kernel = kernel
         self.log: list | None = None
         self.name = kernel.name
-        flags = ("supports_key_range", "merges_in_kernel", "needs_out_in_backward", "supports_doc_blocks")
-        for attr in flags:
-            if hasattr(kernel, attr):
-                setattr(self, attr, getattr(kernel, attr))
+        self.capabilities = kernel.capabilities
 
     def _call(self, kind: str, fn, args, kwargs):
         if self.log is None:
@@ -120,8 +117,8 @@ def prepare_rank(args, seg: Segments, sched, rank: int, kernel: TimedKernel, dev
     k = torch.randn(1, n, hk, args.dim, device=device, generator=g).to(dtype)
     v = torch.randn(1, n, hk, args.dim, device=device, generator=g).to(dtype)
     dout = torch.randn_like(q)
-    common = {"causal": True, "scale": args.dim ** -0.5, "schedule": sched, "rank": rank,
-              "comm": PeerComm(None, device), "kernel": kernel, "ranges": (lo, hi)}
+    common = {"scale": args.dim ** -0.5, "schedule": sched, "rank": rank, "comm": PeerComm(None, device),
+              "kernel": kernel, "masks": TaskMasks(ranges=(lo, hi))}
     out, lse = dist_attn_forward(q, k, v, **common)
 
     def both():

@@ -88,10 +88,16 @@ class Emulation:
 
 def install(padded_lse: bool = False, setattr_=setattr) -> Emulation:
     """Put an :class:`Emulation` behind the flash varlen kernel (``setattr_``: ``monkeypatch.setattr`` in
-    pytest, plain ``setattr`` in spawned workers) and make the backend selectable off CUDA."""
+    pytest, plain ``setattr`` in spawned workers) and make the backend selectable off CUDA, in every
+    floating dtype (its declared capabilities widened to what the emulation takes)."""
+    from dataclasses import replace
+
     from lightseq_hf.kernels import flash_varlen
 
     emu = Emulation(padded_lse)
+    caps = flash_varlen.FlashVarlenKernel.capabilities
+    setattr_(flash_varlen.FlashVarlenKernel, "capabilities",
+             replace(caps, devices=None, dtypes=caps.dtypes | {torch.float32, torch.float64}))
     setattr_(flash_varlen, "varlen_forward", emu.forward)
     setattr_(flash_varlen, "varlen_backward", emu.backward)
     setattr_(flash_varlen, "usable", lambda device: True)

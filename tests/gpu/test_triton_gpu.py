@@ -7,10 +7,6 @@ kernels allocate are poisoned with NaN first, so an unwritten element fails.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("LIGHTSEQ_TRITON_AUTOTUNE", "0")  # one config per kernel: fast compiles
-
 import pytest
 import torch
 
@@ -19,9 +15,13 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 import torch.nn.functional as F
+from kernel_checks import PoisonEmpty
 
+from lightseq_hf._testing.kernel_knobs import single_triton_config
 from lightseq_hf.kernels import triton_attn
 from lightseq_hf.kernels.reference import ReferenceKernel
+
+single_triton_config()  # one config per kernel: fast compiles
 
 KERNEL = triton_attn.TritonKernel()
 REF = ReferenceKernel(block_q=2048, block_k=2048)
@@ -29,11 +29,9 @@ DEV = torch.device("cuda")
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    def nan_new(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(triton_attn, "_new", nan_new)
+def poison_outputs():
+    with PoisonEmpty():
+        yield
 
 
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
