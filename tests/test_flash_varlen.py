@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 import torch
+from distributed import rel_err
 from doc_reference import per_document_attention, random_docs
 from varlen_emulation import install
 
@@ -119,13 +120,6 @@ def test_mixed_causal_and_full_blocks_are_refused():
     with pytest.raises(ValueError, match="cannot mix"):
         doc_spans(Segments(8, (((0, 6),),)), 1, 6, 0, 3, True)
     assert doc_spans(Segments(8, (((0, 6),),)), 4, 6, 0, 3, True)[1] is False  # all keys seen: fine
-
-
-def rel_err(x, ref):
-    x, ref = x.detach().double(), ref.detach().double()
-    finite = torch.isfinite(ref)
-    assert torch.equal(finite, torch.isfinite(x)), "infinite entries differ"
-    return float((x[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("padded_lse", [False, True])
