@@ -289,7 +289,7 @@ def packed_meta(args, device: torch.device, dtype: torch.dtype, packed_backends:
                 packed_backends=packed_backends,
                 length_mix={"median": args.median, "sigma": args.sigma, "max": args.max_doc,
                             "seed": "1000 + seq"},
-                env=env_vars(*MULTICAST_ENV, "LIGHTSEQ_TRITON_AUTOTUNE"))
+                env=env_vars(*MULTICAST_ENV))
     return meta
 
 
