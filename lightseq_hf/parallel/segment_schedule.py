@@ -3,10 +3,10 @@
 Why tiles: the kernels work in ``tile_m x tile_n`` tiles (Triton ``BLOCK_M x BLOCK_N``; cuDNN/flash alike).
 A tile with one visible pair costs as much as a full one, every kernel launch has a fixed overhead
 (launch latency, the ops around it, the tail of its last wave), and the backward costs about 2.5x the
-forward per tile (its dq and dk/dv passes). Balancing visible pairs exactly (:data:`PAIRS`) leaves a
-9.8% per-rank busy-time spread on 2 x H200 at 64K: the rank with more tasks and more partial tiles was
-slower (measured 2026-11-23). :class:`TileCost` models that; :func:`build_segment_schedule` minimizes the busiest rank's cost
-under it (:data:`PAIRS` is pair balance as a cost model: 1x1 tiles, no launch cost).
+forward per tile (its dq and dk/dv passes). Balancing visible pairs exactly (:data:`PAIRS`) left a
+9.8% per-rank busy-time spread on 2 x H200 at 64K (2026-11-23): the rank with more tasks and more partial
+tiles was slower. :class:`TileCost` models that; :func:`build_segment_schedule` minimizes the busiest
+rank's cost under it (:data:`PAIRS` is pair balance as a cost model: 1x1 tiles, no launch cost).
 
 Tiles counted are the ones the ranged kernels visit: query tiles start at a task's first row, key tiles at
 its key chunk's first key (the kernels get exactly those slices), and a query tile visits every key tile
