@@ -185,7 +185,7 @@ def _fault_cases(rank: int, world: int) -> list[str]:
         ("wrong shard order", "shard_for", _reversed_shards, "plain", {}, True, "differs from the unsharded"),
         ("dropped document mask", "dist_flash_attn", _without_documents, "packed", {}, True,
          "differs from the unsharded"),
-        ("kernel off by 1e-4", "get_kernel", _kernel_off_by(1e-4, on_rank=world - 1), "plain", {}, True,
+        ("kernel off by 1e-4", "kernel_named", _kernel_off_by(1e-4, on_rank=world - 1), "plain", {}, True,
          "differs from the unsharded"),
         ("missing gradient sync", None, None, "plain", {}, False, "nothing averages them"),
         ("a rank runs unsharded", None, None, "plain", {"sp_group": solo} if rank == 1 else {}, True,
