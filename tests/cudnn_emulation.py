@@ -1,5 +1,5 @@
 """Test-only CPU emulation of torch's cuDNN varlen attention ops (float64, one block at a time) and of
-CUDA graph capture, behind ``lightseq_hf.kernels.cudnn_varlen``.
+CUDA graph capture, behind ``lightseq_hf.kernels.cudnn_ops``.
 
 It follows the op's conventions: ``(total, heads, dim)`` rows, GQA by head groups, a causal diagonal
 aligned top-left (torch 2.11) or bottom-right in every sequence, an lse in a given :class:`LseLayout`, a
@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from lightseq_hf.kernels import cudnn_varlen
-from lightseq_hf.kernels.cudnn_varlen import LseLayout, OpTraits
+from lightseq_hf.kernels import cudnn_ops
+from lightseq_hf.kernels.cudnn_ops import LseLayout, OpTraits
 
 #: the op's lse layouts the tests run: torch 2.11's ``(total, heads, 1)``, and ``(heads, total)``
 LAYOUTS = {"tokens": LseLayout(3, False, True), "heads": LseLayout(2, True, False)}
@@ -110,13 +110,13 @@ def install(setattr_, *, layout: str = "tokens", bottom_right: bool = False, gra
     """Put an :class:`Emulation` behind the cuDNN varlen kernel on the CPU (``setattr_``:
     ``monkeypatch.setattr``). ``graphs_needed``: the op behaves as one that rebuilds its graph every call.
     ``probe``: leave the traits to the kernel's own probe (else they are set to the emulation's)."""
-    call_ms = 3 * cudnn_varlen.REBUILD_MS if graphs_needed else 0.1
+    call_ms = 3 * cudnn_ops.REBUILD_MS if graphs_needed else 0.1
     emu = Emulation(LAYOUTS[layout], bottom_right, call_ms)
-    setattr_(cudnn_varlen, "op_forward", emu.forward)
-    setattr_(cudnn_varlen, "host_ms", emu.host_ms)
-    setattr_(cudnn_varlen, "op_backward", emu.backward)
-    setattr_(cudnn_varlen, "capture", emu.capture)
-    setattr_(cudnn_varlen, "_traits", {})
+    setattr_(cudnn_ops, "op_forward", emu.forward)
+    setattr_(cudnn_ops, "host_ms", emu.host_ms)
+    setattr_(cudnn_ops, "op_backward", emu.backward)
+    setattr_(cudnn_ops, "capture", emu.capture)
+    setattr_(cudnn_ops, "_traits", {})
     if not probe:
-        cudnn_varlen._traits["cpu"] = OpTraits(emu.layout, bottom_right, call_ms, True, emu.seed, emu.offset)
+        cudnn_ops._traits["cpu"] = OpTraits(emu.layout, bottom_right, call_ms, True, emu.seed, emu.offset)
     return emu

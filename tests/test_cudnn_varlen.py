@@ -12,9 +12,10 @@ import torch
 from cudnn_emulation import LAYOUTS, install
 from doc_reference import random_docs
 
-from lightseq_hf.kernels import ReferenceKernel, cudnn_varlen
+from lightseq_hf.kernels import ReferenceKernel, cudnn_ops
 from lightseq_hf.kernels.base import merge_into
-from lightseq_hf.kernels.cudnn_varlen import CudnnVarlenKernel, LseLayout, head_dim_ok, plan_calls
+from lightseq_hf.kernels.cudnn_ops import LseLayout, head_dim_ok
+from lightseq_hf.kernels.cudnn_varlen import CudnnVarlenKernel, plan_calls
 from lightseq_hf.kernels.flash_varlen import make_doc_blocks
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
@@ -206,15 +207,15 @@ def test_lse_layout_views_map_rows_to_the_ops_memory():
 @pytest.mark.parametrize("bottom_right", [False, True])
 def test_probe_reads_the_lse_layout_and_the_causal_alignment(monkeypatch, layout, bottom_right):
     emu = install(monkeypatch.setattr, layout=layout, bottom_right=bottom_right, probe=True)
-    traits = cudnn_varlen.op_traits(CPU)
+    traits = cudnn_ops.op_traits(CPU)
     assert traits.lse == LAYOUTS[layout] and traits.bottom_right == bottom_right
     assert traits.seed is emu.seed and not traits.rebuilds_graph and emu.captures == 0
-    assert cudnn_varlen.op_traits(CPU) is traits  # once per device
+    assert cudnn_ops.op_traits(CPU) is traits  # once per device
 
 
 def test_probe_finds_an_op_that_rebuilds_its_graph_and_tries_a_capture(monkeypatch):
     emu = install(monkeypatch.setattr, graphs_needed=True, probe=True)
-    traits = cudnn_varlen.op_traits(CPU)
+    traits = cudnn_ops.op_traits(CPU)
     assert traits.rebuilds_graph and traits.capturable and emu.captures == emu.replays == 1
     assert type(CudnnVarlenKernel().runner(CPU)).__name__ == "_GraphCalls"
 
@@ -226,17 +227,26 @@ def test_probe_refuses_an_op_whose_results_are_off(monkeypatch):
         out, lse, seed, offset = emu.forward(*args)
         return out, lse / math.log(2), seed, offset
 
-    monkeypatch.setattr(cudnn_varlen, "op_forward", log2_lse)
+    monkeypatch.setattr(cudnn_ops, "op_forward", log2_lse)
     with pytest.raises(RuntimeError, match="neither causal alignment"):
-        cudnn_varlen.op_traits(CPU)
+        cudnn_ops.op_traits(CPU)
+
+    def swapped_grads(*args):
+        dq, dk, dv = emu.backward(*args)
+        return dq, dv, dk
+
+    monkeypatch.setattr(cudnn_ops, "op_forward", emu.forward)
+    monkeypatch.setattr(cudnn_ops, "op_backward", swapped_grads)
+    with pytest.raises(RuntimeError, match="backward does not match"):
+        cudnn_ops.op_traits(CPU)
 
 
 def test_inputs_and_head_dims_the_op_takes():
     assert head_dim_ok(64) and head_dim_ok(128) and head_dim_ok(72)
     assert not head_dim_ok(256) and not head_dim_ok(100) and not head_dim_ok(None)
-    assert not cudnn_varlen.usable(CPU)
+    assert not cudnn_ops.usable(CPU)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
-        cudnn_varlen.check_cudnn_inputs(torch.zeros(1, 1, 8))
+        cudnn_ops.check_cudnn_inputs(torch.zeros(1, 1, 8))
     with pytest.raises(ValueError, match="needs the attention output"):
         x = torch.zeros(1, 2, 1, 8)
         CudnnVarlenKernel().backward(x, x, x, x, None, torch.zeros(1, 1, 2), causal=True, scale=1.0)
