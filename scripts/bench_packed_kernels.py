@@ -46,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flex-seqs", default="16384,65536", help="rows where FlexAttention runs (compiles)")
     p.add_argument("--eager-seqs", default="65536", help="rows where cudnn_varlen also runs eagerly")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip further rows past this time")
+    p.add_argument("--no-cudnn-varlen", action="store_true", help="leave the cuDNN varlen op out entirely")
+    p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
@@ -97,7 +99,7 @@ def packed_runners(seg, q, k, v, dout, scale, seq, args):
             return out, kernel.backward(dout, q, k, v, out, lse, causal=False, scale=scale, **mask)[0]
         return run
 
-    if cudnn_ops.usable(dev) and cudnn_ops.head_dim_ok(d):
+    if not args.no_cudnn_varlen and cudnn_ops.usable(dev) and cudnn_ops.head_dim_ok(d):
         runners["cudnn_varlen"] = kernel_pair(cudnn_varlen.CudnnVarlenKernel(), doc_blocks=blocks)
         if seq in args.eager_seqs:
             runners["cudnn_varlen_eager"] = kernel_pair(cudnn_varlen.CudnnVarlenKernel(graphs=False),
@@ -126,8 +128,8 @@ def flex_runner(seg, q, k, v, dout, scale):
 
     block_mask = create_block_mask(mask_mod, 1, None, n, n, device=q.device, _compile=True)
     flex = torch.compile(flex_attention, dynamic=False)
-    qt, kt, vt = (x.transpose(1, 2).detach().requires_grad_() for x in (q, k, v))
-    dt = dout.transpose(1, 2)
+    qt, kt, vt = (x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dt = dout.transpose(1, 2).contiguous()
 
     def run():
         qt.grad = kt.grad = vt.grad = None
@@ -184,6 +186,7 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
             if ref is None:
                 ref = (out.float(), dq.float())
             row["rel_err"][name] = [float((x.float() - r).norm() / r.norm()) for x, r in zip((out, dq), ref)]
+            del out, dq
             ms = timed_ms(run)
             row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
         except Exception as e:  # a backend may refuse a shape: recorded, the table goes on
@@ -195,6 +198,9 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
     row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa}
     print(f"  {seq // 1024}K d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
     ok = {n: r["ms"] for n, r in row["fwd_bwd"].items() if "ms" in r and n != "cudnn_varlen_eager"}
+    if not ok:
+        row["best_packed"], row["packed_vs_dense_per_flop"] = None, None
+        return row
     best = min(ok, key=ok.get)
     row["best_packed"] = best
     row["packed_vs_dense_per_flop"] = (ok[best] / flops) / (ms / dense_flops)
@@ -213,6 +219,41 @@ def probe_record() -> dict:
     return {"usable": True, "lse_layout": repr(tr.lse), "causal": align,
             "host_ms_per_repeated_call": tr.call_ms, "rebuilds_graph_every_call": tr.rebuilds_graph,
             "capturable": tr.capturable}
+
+
+def op_facts() -> list[dict]:
+    """Raw calls of the cuDNN varlen op (each may fail on its own): lse layout, one-token sequences, MHA/GQA,
+    head dims 64/128, backward, host time of repeated identical calls."""
+    dev, facts = torch.device("cuda"), []
+    cases = [("gqa d64 lens (2,3)/(5,3)", (2, 3), (5, 3), 8, 2, 64),
+             ("mha d128 lens (2,3)/(5,3)", (2, 3), (5, 3), 4, 4, 128),
+             ("one-token sequences", (1, 1, 1), (1, 1, 1), 4, 2, 128),
+             ("16K tokens, 8 docs", (2048,) * 8, (2048,) * 8, 32, 8, 128)]
+    for label, ql, kl, h, hk, d in cases:
+        rec = {"case": label}
+        try:
+            q, dout = (torch.randn(sum(ql), h, d, device=dev, dtype=torch.bfloat16) for _ in "qd")
+            k, v = (torch.randn(sum(kl), hk, d, device=dev, dtype=torch.bfloat16) for _ in "kv")
+            cu_q, cu_k = (torch.tensor([0, *lens], device=dev).cumsum(0).int() for lens in (ql, kl))
+            args = (cu_q, cu_k, max(ql), max(kl), True, d ** -0.5)
+            out, lse, seed, off = cudnn_ops.op_forward(q, k, v, *args)
+            rec.update(lse_shape=list(lse.shape), lse_stride=list(lse.stride()), lse_dtype=str(lse.dtype),
+                       seed=None if seed is None else [list(seed.shape), str(seed.dtype)])
+            def fwd(q=q, k=k, v=v, args=args):
+                return cudnn_ops.op_forward(q, k, v, *args)
+
+            def bwd(q=q, k=k, v=v, out=out, lse=lse, seed=seed, off=off, dout=dout, args=args):
+                return cudnn_ops.op_backward(dout, q, k, v, out, lse, seed, off, *args)
+
+            rec["host_ms_forward"] = [cudnn_ops.host_ms(fwd, dev) for _ in range(4)]
+            rec["backward"] = [list(x.shape) for x in bwd()]
+            rec["host_ms_backward"] = [cudnn_ops.host_ms(bwd, dev) for _ in range(3)]
+            torch.cuda.synchronize()
+        except Exception as e:  # recorded: the next case runs
+            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print("fact:", rec, flush=True)
+        facts.append(rec)
+    return facts
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -245,10 +286,12 @@ def main(argv=None) -> None:
            "config": {"dtype": "bfloat16", "batch": 1, "heads": h, "kv_heads": hk, "median": args.median,
                       "sigma": args.sigma, "max_doc": args.max_doc, "timing": "CUDA events, median",
                       "flops": "useful pairs x 4*heads*dim, fwd+bwd 3.5x"},
-           "cudnn_varlen_probe": probe_record(), "rows": []}
-    print("probe:", res["cudnn_varlen_probe"], flush=True)
+           "rows": []}
+    if not args.no_cudnn_varlen:
+        res["cudnn_op_facts"], res["cudnn_varlen_probe"] = op_facts(), probe_record()
+    print("probe:", res.get("cudnn_varlen_probe"), flush=True)
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-").split("-")[0] or "gpu"
-    path = Path(args.out) / f"packed-kernels-{slug}-{res['date']}.json"
+    path = Path(args.out) / f"packed-kernels-{slug}-{res['date']}{args.tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     for seq, d in plan:
