@@ -1,10 +1,13 @@
 """Packed-row attention kernels on one GPU: forward+backward of one row of log-normal documents.
 
-Backends on the same bf16 tokens: ``cudnn_varlen`` (torch's cuDNN varlen op, one call per row; also its
-eager mode, which rebuilds the cuDNN graph on every call in torch 2.11), our Triton kernels with key
-ranges, ``flash_varlen`` (torch's FlashAttention-2 varlen op), FlexAttention with a document block mask
-(compiled), and dense cuDNN causal attention over the whole row (the per-FLOP yardstick). Useful FLOPs
-count the pairs each query row sees: ``4 * heads * dim`` per pair forward, 3.5x that forward+backward.
+Backends on the same bf16 tokens: ``cudnn_varlen`` (torch's cuDNN varlen op, one call per row), our
+Triton kernels with key ranges, ``flash_varlen`` (torch's FlashAttention-2 varlen op), FlexAttention with
+a document block mask (compiled), and dense cuDNN causal attention over the whole row (the per-FLOP
+yardstick). Each is timed twice: wall time (CUDA events around the calls, host work included: torch 2.11's
+cuDNN varlen op rebuilds its graph on every call) and GPU time (the kernels' own time, from the profiler).
+Useful FLOPs count the pairs each query row sees: ``4 * heads * dim`` per pair forward, 3.5x that
+forward+backward. It first runs single op calls of short sequences, each in its own process with a time
+limit (one call of one-token sequences did not return).
 
 Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table; the summary has
 ``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K) and
@@ -44,10 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the document lengths")
     p.add_argument("--max-doc", type=int, default=32768)
     p.add_argument("--flex-seqs", default="16384,65536", help="rows where FlexAttention runs (compiles)")
-    p.add_argument("--eager-seqs", default="65536", help="rows where cudnn_varlen also runs eagerly")
     p.add_argument("--budget-s", type=float, default=420.0, help="skip further rows past this time")
     p.add_argument("--no-cudnn-varlen", action="store_true", help="leave the cuDNN varlen op out entirely")
     p.add_argument("--tag", default="", help="suffix of the results file name")
+    p.add_argument("--fact", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
@@ -85,6 +88,23 @@ def timed_ms(fn, target_ms: float = 600.0) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def gpu_ms(fn, reps: int = 3) -> float | None:
+    """The kernels' own time per call of ``fn`` (profiler, summed over kernels), host gaps excluded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
+    except RuntimeError:  # no profiler on this machine: wall time only
+        return None
+    return total_us / 1e3 / reps
+
+
 def packed_runners(seg, q, k, v, dout, scale, seq, args):
     """name -> (fwd+bwd callable, forward callable returning (out (b, s, h, d), dq))."""
     n, d = q.shape[1], q.shape[3]
@@ -101,9 +121,6 @@ def packed_runners(seg, q, k, v, dout, scale, seq, args):
 
     if not args.no_cudnn_varlen and cudnn_ops.usable(dev) and cudnn_ops.head_dim_ok(d):
         runners["cudnn_varlen"] = kernel_pair(cudnn_varlen.CudnnVarlenKernel(), doc_blocks=blocks)
-        if seq in args.eager_seqs:
-            runners["cudnn_varlen_eager"] = kernel_pair(cudnn_varlen.CudnnVarlenKernel(graphs=False),
-                                                        doc_blocks=blocks)
     from lightseq_hf.kernels.triton_attn import TritonKernel
 
     runners["triton"] = kernel_pair(TritonKernel(), key_range=rng)
@@ -187,17 +204,18 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
                 ref = (out.float(), dq.float())
             row["rel_err"][name] = [float((x.float() - r).norm() / r.norm()) for x, r in zip((out, dq), ref)]
             del out, dq
-            ms = timed_ms(run)
-            row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
+            ms, kernel_ms = timed_ms(run), gpu_ms(run)
+            row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gpu_ms": kernel_ms}
         except Exception as e:  # a backend may refuse a shape: recorded, the table goes on
             row["fwd_bwd"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(f"  {seq // 1024}K d{d} {name}: {row['fwd_bwd'][name]} [{time.time() - t0:.0f}s]", flush=True)
         torch.cuda.empty_cache()
     run, gqa = dense_runner(q, k, v, dout, scale)
     ms = timed_ms(run)
-    row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa}
+    row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa,
+                          "gpu_ms": gpu_ms(run)}
     print(f"  {seq // 1024}K d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
-    ok = {n: r["ms"] for n, r in row["fwd_bwd"].items() if "ms" in r and n != "cudnn_varlen_eager"}
+    ok = {n: r["ms"] for n, r in row["fwd_bwd"].items() if "ms" in r}
     if not ok:
         row["best_packed"], row["packed_vs_dense_per_flop"] = None, None
         return row
@@ -206,6 +224,12 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
     row["packed_vs_dense_per_flop"] = (ok[best] / flops) / (ms / dense_flops)
     if "triton" in ok:
         row["packed_speedup_vs_triton"] = ok["triton"] / ok[best]
+    gpu = {n: r.get("gpu_ms") for n, r in row["fwd_bwd"].items() if r.get("gpu_ms")}
+    dense_gpu = row["dense_cudnn"]["gpu_ms"]
+    if "cudnn_varlen" in gpu and dense_gpu:  # what the op costs once its graph is not rebuilt every call
+        row["cudnn_varlen_gpu_vs_dense_per_flop"] = (gpu["cudnn_varlen"] / flops) / (dense_gpu / dense_flops)
+        if "triton" in gpu:
+            row["cudnn_varlen_gpu_speedup_vs_triton"] = gpu["triton"] / gpu["cudnn_varlen"]
     return row
 
 
@@ -217,40 +241,59 @@ def probe_record() -> dict:
         return {"usable": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     align = "bottom-right" if tr.bottom_right else "top-left"
     return {"usable": True, "lse_layout": repr(tr.lse), "causal": align,
-            "host_ms_per_repeated_call": tr.call_ms, "rebuilds_graph_every_call": tr.rebuilds_graph,
-            "capturable": tr.capturable}
+            "host_ms_per_repeated_call": tr.call_ms, "rebuilds_graph_every_call": tr.rebuilds_graph}
 
 
-def op_facts() -> list[dict]:
-    """Raw calls of the cuDNN varlen op (each may fail on its own): lse layout, one-token sequences, MHA/GQA,
-    head dims 64/128, backward, host time of repeated identical calls."""
-    dev, facts = torch.device("cuda"), []
-    cases = [("gqa d64 lens (2,3)/(5,3)", (2, 3), (5, 3), 8, 2, 64),
-             ("mha d128 lens (2,3)/(5,3)", (2, 3), (5, 3), 4, 4, 128),
-             ("one-token sequences", (1, 1, 1), (1, 1, 1), 4, 2, 128),
-             ("16K tokens, 8 docs", (2048,) * 8, (2048,) * 8, 32, 8, 128)]
-    for label, ql, kl, h, hk, d in cases:
-        rec = {"case": label}
+FACT_CASES = [("gqa d64, lens (2,3)/(5,3)", (2, 3), (5, 3), 8, 2, 64),
+              ("one-token sequences (1,1,1)/(1,1,1)", (1, 1, 1), (1, 1, 1), 4, 2, 128),
+              ("longest query 1: (1,1)/(5,3)", (1, 1), (5, 3), 4, 2, 128),
+              ("a one-token sequence among longer: (1,4)/(1,4)", (1, 4), (1, 4), 4, 2, 128),
+              ("a one-row sequence among longer: (1,4)/(3,4)", (1, 4), (3, 4), 4, 2, 128),
+              ("16K tokens, 8 sequences, 32/8 heads", (2048,) * 8, (2048,) * 8, 32, 8, 128)]
+
+
+def op_fact(index: int) -> dict:
+    """One case of raw op calls: forward, backward, lse layout, host time of repeated identical calls."""
+    label, ql, kl, h, hk, d = FACT_CASES[index]
+    dev, rec = torch.device("cuda"), {"case": label}
+    q, dout = (torch.randn(sum(ql), h, d, device=dev, dtype=torch.bfloat16) for _ in "qd")
+    k, v = (torch.randn(sum(kl), hk, d, device=dev, dtype=torch.bfloat16) for _ in "kv")
+    cu_q, cu_k = (torch.tensor([0, *lens], device=dev).cumsum(0).int() for lens in (ql, kl))
+    args = (cu_q, cu_k, max(ql), max(kl), True, d ** -0.5)
+    out, lse, seed, off = cudnn_ops.op_forward(q, k, v, *args)
+    torch.cuda.synchronize()
+    rec.update(lse_shape=list(lse.shape), lse_stride=list(lse.stride()), lse_dtype=str(lse.dtype),
+               out_finite=bool(out.isfinite().all()))
+
+    def fwd():
+        return cudnn_ops.op_forward(q, k, v, *args)
+
+    def bwd():
+        return cudnn_ops.op_backward(dout, q, k, v, out, lse, seed, off, *args)
+
+    rec["host_ms_forward"] = [cudnn_ops.host_ms(fwd, dev) for _ in range(3)]
+    rec["grads_finite"] = all(bool(x.isfinite().all()) for x in bwd())
+    rec["host_ms_backward"] = [cudnn_ops.host_ms(bwd, dev) for _ in range(3)]
+    torch.cuda.synchronize()
+    return rec
+
+
+def op_facts(limit_s: float = 40.0) -> list[dict]:
+    """Every fact case in its own process, all at once, each given ``limit_s`` (a call may not return)."""
+    import subprocess
+
+    procs = [subprocess.Popen([sys.executable, __file__, "--fact", str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(len(FACT_CASES))]
+    start, facts = time.time(), []
+    for i, proc in enumerate(procs):
         try:
-            q, dout = (torch.randn(sum(ql), h, d, device=dev, dtype=torch.bfloat16) for _ in "qd")
-            k, v = (torch.randn(sum(kl), hk, d, device=dev, dtype=torch.bfloat16) for _ in "kv")
-            cu_q, cu_k = (torch.tensor([0, *lens], device=dev).cumsum(0).int() for lens in (ql, kl))
-            args = (cu_q, cu_k, max(ql), max(kl), True, d ** -0.5)
-            out, lse, seed, off = cudnn_ops.op_forward(q, k, v, *args)
-            rec.update(lse_shape=list(lse.shape), lse_stride=list(lse.stride()), lse_dtype=str(lse.dtype),
-                       seed=None if seed is None else [list(seed.shape), str(seed.dtype)])
-            def fwd(q=q, k=k, v=v, args=args):
-                return cudnn_ops.op_forward(q, k, v, *args)
-
-            def bwd(q=q, k=k, v=v, out=out, lse=lse, seed=seed, off=off, dout=dout, args=args):
-                return cudnn_ops.op_backward(dout, q, k, v, out, lse, seed, off, *args)
-
-            rec["host_ms_forward"] = [cudnn_ops.host_ms(fwd, dev) for _ in range(4)]
-            rec["backward"] = [list(x.shape) for x in bwd()]
-            rec["host_ms_backward"] = [cudnn_ops.host_ms(bwd, dev) for _ in range(3)]
-            torch.cuda.synchronize()
-        except Exception as e:  # recorded: the next case runs
-            rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            text, _ = proc.communicate(timeout=max(1.0, limit_s - (time.time() - start)))
+            lines = [ln for ln in text.splitlines() if ln.startswith("{")]
+            rec = json.loads(lines[-1]) if lines else {"case": FACT_CASES[i][0], "error": text[-400:]}
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            rec = {"case": FACT_CASES[i][0], "error": f"no result within {limit_s:.0f} s"}
         print("fact:", rec, flush=True)
         facts.append(rec)
     return facts
@@ -265,13 +308,21 @@ def summarize(rows: list[dict]) -> dict:
         s["packed_vs_dense_per_flop"] = at64[0]["packed_vs_dense_per_flop"]
         s["packed_speedup_vs_triton"] = at64[0].get("packed_speedup_vs_triton")
         s["best_packed_64k"] = at64[0]["best_packed"]
+        s["cudnn_varlen_gpu_vs_dense_per_flop"] = at64[0].get("cudnn_varlen_gpu_vs_dense_per_flop")
+        s["cudnn_varlen_gpu_speedup_vs_triton"] = at64[0].get("cudnn_varlen_gpu_speedup_vs_triton")
     return s
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.fact is not None:
+        try:
+            print(json.dumps(op_fact(args.fact)), flush=True)
+        except Exception as e:  # the parent records it
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+            print(json.dumps({"case": FACT_CASES[args.fact][0], "error": error}))
+        return
     args.flex_seqs = {int(x) for x in args.flex_seqs.split(",") if x}
-    args.eager_seqs = {int(x) for x in args.eager_seqs.split(",") if x}
     h, hk = (int(x) for x in args.heads.split("/"))
     plan = [(int(s), int(d)) for s in args.seqs.split(",") for d in args.dims.split(",")]
     if args.extra_dim_seq:

@@ -1,5 +1,5 @@
-"""Test-only CPU emulation of torch's cuDNN varlen attention ops (float64, one block at a time) and of
-CUDA graph capture, behind ``lightseq_hf.kernels.cudnn_ops``.
+"""Test-only CPU emulation of torch's cuDNN varlen attention ops (float64, one block at a time), behind
+``lightseq_hf.kernels.cudnn_ops``.
 
 It follows the op's conventions: ``(total, heads, dim)`` rows, GQA by head groups, a causal diagonal
 aligned top-left (torch 2.11) or bottom-right in every sequence, an lse in a given :class:`LseLayout`, a
@@ -25,13 +25,11 @@ def _blocks(cu_q, cu_k):
 
 
 class Emulation:
-    """The two ops, their host time and capture; ``calls``: (op, q_lens, k_lens, causal);
-    ``captures``/``replays``: counts."""
+    """The two ops and their host time; ``calls``: (op, q_lens, k_lens, causal)."""
 
     def __init__(self, layout: LseLayout, bottom_right: bool, call_ms: float) -> None:
         self.layout, self.bottom_right, self.call_ms = layout, bottom_right, call_ms
         self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...], bool]] = []
-        self.captures = self.replays = 0
         self.seed, self.offset = torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
 
     def _scores(self, q, k, causal, scale):
@@ -94,29 +92,18 @@ class Emulation:
         fn()
         return self.call_ms
 
-    def capture(self, fn, device, pool):
-        """A recorded call: replaying it runs ``fn`` again on whatever the static buffers hold then."""
-        self.captures += 1
 
-        def replay():
-            self.replays += 1
-            fn()
-
-        return replay
-
-
-def install(setattr_, *, layout: str = "tokens", bottom_right: bool = False, graphs_needed: bool = False,
+def install(setattr_, *, layout: str = "tokens", bottom_right: bool = False, slow: bool = False,
             probe: bool = False) -> Emulation:
     """Put an :class:`Emulation` behind the cuDNN varlen kernel on the CPU (``setattr_``:
-    ``monkeypatch.setattr``). ``graphs_needed``: the op behaves as one that rebuilds its graph every call.
+    ``monkeypatch.setattr``). ``slow``: the op takes the host time of one that rebuilds its graph every call.
     ``probe``: leave the traits to the kernel's own probe (else they are set to the emulation's)."""
-    call_ms = 3 * cudnn_ops.REBUILD_MS if graphs_needed else 0.1
+    call_ms = 3 * cudnn_ops.REBUILD_MS if slow else 0.1
     emu = Emulation(LAYOUTS[layout], bottom_right, call_ms)
     setattr_(cudnn_ops, "op_forward", emu.forward)
     setattr_(cudnn_ops, "host_ms", emu.host_ms)
     setattr_(cudnn_ops, "op_backward", emu.backward)
-    setattr_(cudnn_ops, "capture", emu.capture)
     setattr_(cudnn_ops, "_traits", {})
     if not probe:
-        cudnn_ops._traits["cpu"] = OpTraits(emu.layout, bottom_right, call_ms, True, emu.seed, emu.offset)
+        cudnn_ops._traits["cpu"] = OpTraits(emu.layout, bottom_right, call_ms, emu.seed, emu.offset)
     return emu

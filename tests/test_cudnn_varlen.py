@@ -1,7 +1,7 @@
-"""The cuDNN varlen backend on the CPU, around an emulation of torch's cuDNN varlen ops and of CUDA graph
-capture: the planned calls of a layout (one call, or two where the op's top-left causal rule cannot
-express a block), the lse layouts, the backward from the rows' global statistics, replayed CUDA graphs, and
-the probe that decides all this once per device."""
+"""The cuDNN varlen backend on the CPU, around an emulation of torch's cuDNN varlen ops: the planned calls
+of a layout (one call, or two where the op's top-left causal rule cannot express a block; calls the op
+does not take go to the fallback kernel as key ranges), the lse layouts, the backward from the rows'
+global statistics, and the probe that decides these once per device."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from doc_reference import random_docs
 from lightseq_hf.kernels import ReferenceKernel, cudnn_ops
 from lightseq_hf.kernels.base import merge_into
 from lightseq_hf.kernels.cudnn_ops import LseLayout, head_dim_ok
-from lightseq_hf.kernels.cudnn_varlen import CudnnVarlenKernel, plan_calls
+from lightseq_hf.kernels.cudnn_varlen import CudnnVarlenKernel, block_key_ranges, plan_calls, plan_layout
 from lightseq_hf.kernels.flash_varlen import make_doc_blocks
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
@@ -51,14 +51,13 @@ def rel_err(x, ref):
     return float((x[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("layout,bottom_right,graphs", [("tokens", False, False), ("heads", False, True),
-                                                        ("tokens", True, True)])
-def test_kernel_matches_the_reference_kernel_with_key_ranges(monkeypatch, layout, bottom_right, graphs):
+@pytest.mark.parametrize("layout,bottom_right", [("tokens", False), ("heads", False), ("tokens", True)])
+def test_kernel_matches_the_reference_kernel_with_key_ranges(monkeypatch, layout, bottom_right):
     emu = install(monkeypatch.setattr, layout=layout, bottom_right=bottom_right)
-    kernel = CudnnVarlenKernel(graphs=graphs)
+    kernel = CudnnVarlenKernel()
     ref = ReferenceKernel(block_q=8, block_k=8)
     world, chunk, h, hk, d = 2, 12, 4, 2, 8
-    checked = split = 0
+    checked = split = fell_back = 0
     for name, docs in layouts(world):
         seg = Segments(world * chunk, docs)
         batch = len(docs)
@@ -74,14 +73,15 @@ def test_kernel_matches_the_reference_kernel_with_key_ranges(monkeypatch, layout
             blocks = task_doc_blocks(seg, task, chunk, True, "cpu")
             qt, dt, kt, vt = q[:, rows], dout[:, rows], k[:, keys], v[:, keys]
             emu.calls.clear()
+            m = qt.shape[1]
             want = ref.forward(qt, kt, vt, causal=False, scale=0.3, key_range=rng)
             got = kernel.forward(qt, kt, vt, causal=False, scale=0.3, doc_blocks=blocks)
             assert rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12, (name, task)
-            calls = len(emu.calls)
-            assert calls == len(plan_calls(blocks, bottom_right)) if blocks.num_blocks else calls == 0
-            split += calls == 2
+            plan = plan_layout(blocks, bottom_right, batch, m, kb - ka) if blocks.num_blocks else ()
+            assert len(emu.calls) == sum(key_range is None for _, key_range in plan)
+            split += len(plan) == 2
+            fell_back += any(key_range is not None for _, key_range in plan)
             # merging into running buffers (views with a row offset; some rows hold nothing yet)
-            m = qt.shape[1]
             base_out = torch.randn(batch, m + 2, h, d, generator=g, dtype=torch.float64)
             base_lse = torch.randn(batch, h, m + 2, generator=g, dtype=torch.float64)
             base_lse[:, :, ::3] = -math.inf
@@ -111,8 +111,7 @@ def test_kernel_matches_the_reference_kernel_with_key_ranges(monkeypatch, layout
             checked += 1
     assert checked > 40
     assert (split > 5) if not bottom_right else split == 0  # top-left: offset causal blocks are split
-    if graphs:
-        assert 0 < emu.captures < emu.replays  # calls are replayed, and captured once per planned call
+    assert fell_back > 0  # one-token calls ran on the fallback kernel
 
 
 def test_plan_splits_causal_blocks_with_keys_before_their_rows(monkeypatch):
@@ -138,7 +137,7 @@ def test_plan_splits_causal_blocks_with_keys_before_their_rows(monkeypatch):
 
 def test_whole_rows_are_bottom_right_causal_attention(monkeypatch):
     emu = install(monkeypatch.setattr)
-    kernel, ref = CudnnVarlenKernel(graphs=False), ReferenceKernel(block_q=4, block_k=4)
+    kernel, ref = CudnnVarlenKernel(), ReferenceKernel(block_q=4, block_k=4)
     g = torch.Generator().manual_seed(0)
     for lq, lk, causal, calls in ((6, 6, True, 1), (4, 7, True, 2), (7, 4, True, 1), (5, 3, False, 1)):
         q, dout = (torch.randn(2, lq, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
@@ -153,37 +152,29 @@ def test_whole_rows_are_bottom_right_causal_attention(monkeypatch):
             assert rel_err(x, w) < 1e-12
 
 
-def test_graph_mode_captures_each_planned_call_once_and_recaptures_after_growth(monkeypatch):
-    emu = install(monkeypatch.setattr, graphs_needed=True)
-    kernel, eager = CudnnVarlenKernel(), CudnnVarlenKernel(graphs=False)
-    assert type(kernel.runner(CPU)).__name__ == "_GraphCalls"  # the op rebuilds its graph: replay
-    assert type(eager.runner(CPU)).__name__ == "_EagerCalls"
-    g = torch.Generator().manual_seed(1)
-    small = make_doc_blocks((3, 2), (5, 2), slice(0, 5), slice(0, 7), True, "cpu")  # two planned calls
-    big = make_doc_blocks((9,), (9,), slice(0, 9), slice(0, 9), True, "cpu")
-
-    def step(kern, blocks, lq, lk):
-        q, dout = (torch.randn(1, lq, 4, 8, generator=g, dtype=torch.float64) for _ in "qd")
-        k, v = (torch.randn(1, lk, 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
-        out, lse = kern.forward(q, k, v, causal=False, scale=0.4, doc_blocks=blocks)
-        grads = kern.backward(dout, q, k, v, out, lse, causal=False, scale=0.4, doc_blocks=blocks)
-        return [out, lse, *grads], (q, k, v, dout)
-
-    for _ in range(3):
-        got, inputs = step(kernel, small, 5, 7)
-        g.manual_seed(int(inputs[0].sum() * 1e6) % 1000)
-        want, _ = step(eager, small, 5, 7)
-    assert emu.captures == 4 and emu.replays == 12  # 2 parts x (forward, backward), captured once
-    # fresh inputs each time: the replays read the static buffers filled for this call
-    g.manual_seed(5)
-    got, _ = step(kernel, small, 5, 7)
-    g.manual_seed(5)
-    want, _ = step(eager, small, 5, 7)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    step(kernel, big, 9, 9)  # larger totals: the static buffers grow, earlier captures are dropped
-    assert emu.captures == 6
-    step(kernel, small, 5, 7)
-    assert emu.captures == 10
+def test_calls_the_op_does_not_take_run_on_the_fallback_kernel_as_key_ranges(monkeypatch):
+    emu = install(monkeypatch.setattr)
+    # batch 2 rows of 6: one-token documents (and padding) in row 0; row 1 one causal block of 3 rows
+    # starting after 2 keys of its document
+    blocks = make_doc_blocks((1, 1, 1, 3), (1, 1, 1, 5), [0, 2, 3, 9, 10, 11], [0, 2, 3, 7, 8, 9, 10, 11],
+                             True, "cpu")
+    lo, hi = block_key_ranges(blocks, 2, 6, 6)
+    assert lo.dtype == hi.dtype == torch.int32
+    assert lo.tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 1, 1]]  # rows fed nothing: empty, non-decreasing
+    assert hi.tolist() == [[1, 1, 3, 4, 4, 4], [0, 0, 0, 4, 5, 6]]
+    square, prefix = plan_layout(blocks, False, 2, 6, 6)
+    assert square[1] is None and prefix[1] is None  # longest sequences 3 / 3 and 3 / 2: the op takes them
+    ones = make_doc_blocks((1, 1), (1, 1), [0, 2], [0, 2], True, "cpu")
+    ((part, key_range),) = plan_layout(ones, False, 1, 4, 4)
+    assert key_range is not None and plan_layout(ones, False, 1, 4, 4)[0][1] is key_range  # once
+    g = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(1, 4, 2, 8, generator=g, dtype=torch.float64) for _ in "qd")
+    k, v = (torch.randn(1, 4, 1, 8, generator=g, dtype=torch.float64) for _ in "kv")
+    ref = ReferenceKernel(block_q=4, block_k=4)
+    want = ref.forward(q, k, v, causal=False, scale=0.5, key_range=key_range)
+    got = CudnnVarlenKernel().forward(q, k, v, causal=False, scale=0.5, doc_blocks=ones)
+    assert emu.calls == [] and rel_err(got[0], want[0]) < 1e-12 and rel_err(got[1], want[1]) < 1e-12
+    assert torch.isneginf(got[1][0, :, 1]).all() and torch.isfinite(got[1][0, :, 0]).all()
 
 
 def test_lse_layout_views_map_rows_to_the_ops_memory():
@@ -209,15 +200,13 @@ def test_probe_reads_the_lse_layout_and_the_causal_alignment(monkeypatch, layout
     emu = install(monkeypatch.setattr, layout=layout, bottom_right=bottom_right, probe=True)
     traits = cudnn_ops.op_traits(CPU)
     assert traits.lse == LAYOUTS[layout] and traits.bottom_right == bottom_right
-    assert traits.seed is emu.seed and not traits.rebuilds_graph and emu.captures == 0
+    assert traits.seed is emu.seed and not traits.rebuilds_graph
     assert cudnn_ops.op_traits(CPU) is traits  # once per device
 
 
-def test_probe_finds_an_op_that_rebuilds_its_graph_and_tries_a_capture(monkeypatch):
-    emu = install(monkeypatch.setattr, graphs_needed=True, probe=True)
-    traits = cudnn_ops.op_traits(CPU)
-    assert traits.rebuilds_graph and traits.capturable and emu.captures == emu.replays == 1
-    assert type(CudnnVarlenKernel().runner(CPU)).__name__ == "_GraphCalls"
+def test_probe_finds_an_op_that_rebuilds_its_graph(monkeypatch):
+    install(monkeypatch.setattr, slow=True, probe=True)
+    assert cudnn_ops.op_traits(CPU).rebuilds_graph
 
 
 def test_probe_refuses_an_op_whose_results_are_off(monkeypatch):

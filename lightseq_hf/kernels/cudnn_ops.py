@@ -1,8 +1,14 @@
-"""torch's cuDNN varlen attention ops for the ``cudnn_varlen`` backend: the two calls, CUDA graph capture,
-and what the op does on a device (lse layout, causal alignment, host cost of a call), probed once.
+"""torch's cuDNN varlen attention ops for the ``cudnn_varlen`` backend: the two calls, and what the op does
+on a device (lse layout, causal alignment, host cost of a call), probed once.
 
-Tests replace :func:`op_forward`, :func:`op_backward`, :func:`capture` and :func:`host_ms` with a CPU
-emulation; callers reach them through this module's attributes.
+Measured on an H100 with torch 2.11.0+cu130 and cuDNN 9.19 (2026-11-24,
+``benchmarks/results/packed-kernels-h100-2026-11-24.json``): the lse is ``(total, heads, 1)`` float32, the
+causal diagonal is aligned top-left in every sequence, each call rebuilds its cuDNN graph (about 80 ms of
+host time a call, forward or backward), capturing a call in a CUDA graph crashes the process (segfault in
+``capture_end``), and a call whose sequences are all one token long did not return.
+
+Tests replace :func:`op_forward`, :func:`op_backward` and :func:`host_ms` with a CPU emulation; callers
+reach them through this module's attributes.
 """
 
 from __future__ import annotations
@@ -39,6 +45,15 @@ def check_cudnn_inputs(q: torch.Tensor) -> None:
                          "'reference'.")
 
 
+#: the shortest longest-sequence a call may have (a call of one-token sequences did not return)
+MIN_MAX_LEN = 2
+
+
+def takes(max_q: int, max_k: int) -> bool:
+    """Whether the op takes a call whose longest query / key sequences have these lengths."""
+    return max_q >= MIN_MAX_LEN and max_k >= MIN_MAX_LEN
+
+
 # --- the ops (tests replace these two with a CPU emulation) -------------------------------------------
 
 def op_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
@@ -59,39 +74,6 @@ def op_backward(dout, q, k, v, out, lse, seed, offset, cu_q, cu_k, max_q, max_k,
         dout, q, k, v, out, lse, seed, offset, None, cu_q, cu_k, max_q, max_k, 0.0, causal, scale=scale
     )
     return res[0], res[1], res[2]
-
-
-def capture(fn: Callable[[], None], device: torch.device, pool) -> Callable[[], None]:
-    """Record ``fn``'s device work as a CUDA graph (on a side stream, in ``pool``); return its replay,
-    which runs on the current stream (tests replace this with an emulation)."""
-    graph = torch.cuda.CUDAGraph()
-    side = _side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        graph.capture_begin(pool=pool, capture_error_mode="relaxed")
-        try:
-            fn()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(side)
-    return graph.replay
-
-
-_side_streams: dict[str, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if str(device) not in _side_streams:
-        _side_streams[str(device)] = torch.cuda.Stream(device)
-    return _side_streams[str(device)]
-
-
-def graph_pool(device: torch.device):
-    """A CUDA graph memory pool for ``device`` (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    with torch.cuda.device(device):
-        return torch.cuda.graph_pool_handle()
 
 
 # --- what the op does, probed once per device ----------------------------------------------------------
@@ -119,13 +101,12 @@ class LseLayout:
 
 @dataclass(frozen=True, eq=False)
 class OpTraits:
-    """The op on one device: its lse layout, causal alignment, host cost of a repeated call, whether a call
-    can be captured in a CUDA graph, and the dropout placeholders its backward takes."""
+    """The op on one device: its lse layout, causal alignment, host cost of a repeated call, and the dropout
+    placeholders its backward takes."""
 
     lse: LseLayout
     bottom_right: bool
     call_ms: float
-    capturable: bool
     seed: torch.Tensor | None
     offset: torch.Tensor | None
 
@@ -196,7 +177,7 @@ def _sync(device: torch.device) -> None:
 
 def _probe(device: torch.device) -> OpTraits:
     """Run the op on small causal blocks (GQA; a block with more keys than queries), read off its lse layout,
-    causal alignment and per-call host cost, check forward and backward against float64, try a capture."""
+    causal alignment and per-call host cost, check forward and backward against float64."""
     g = torch.Generator().manual_seed(0)
     heads, dim, cq, ck = 2, 64, [0, 2, 5], [0, 5, 8]
     q, dout = (torch.randn(cq[-1], heads, dim, generator=g).to(device, torch.bfloat16) for _ in "qd")
@@ -217,8 +198,7 @@ def _probe(device: torch.device) -> OpTraits:
     if not all(_close(x, ref.grad) for x, ref in zip(grads, leaves)):
         raise RuntimeError("cuDNN varlen backward does not match float64 on the probe blocks.")
     call_ms = min(host_ms(lambda: op_forward(q, k, v, *args), device) for _ in range(3))
-    capturable = call_ms > REBUILD_MS and _captures(q, k, v, out, args)
-    return OpTraits(layout, bottom_right, call_ms, capturable, seed, offset)
+    return OpTraits(layout, bottom_right, call_ms, seed, offset)
 
 
 def _lse_layout(lse: torch.Tensor, total: int, heads: int) -> LseLayout:
@@ -229,19 +209,3 @@ def _lse_layout(lse: torch.Tensor, total: int, heads: int) -> LseLayout:
     head_major = dims[0] == heads
     t_dim, h_dim = (1, 0) if head_major else (0, 1)
     return LseLayout(lse.dim(), head_major, lse.stride(t_dim) > lse.stride(h_dim))
-
-
-def _captures(q, k, v, out, args) -> bool:
-    """Whether a captured forward call replays to the eager result."""
-    static = [x.clone() for x in (q, k, v)]
-    dst = torch.full_like(out, math.nan)  # poisoned: a replay that writes nothing fails the check
-
-    def call():
-        dst.copy_(op_forward(*static, *args)[0])
-
-    try:
-        capture(call, q.device, graph_pool(q.device))()
-        _sync(q.device)
-    except RuntimeError:
-        return False
-    return bool((dst.float() - out.float()).abs().max() <= 1e-2 * out.float().abs().max())

@@ -7,15 +7,18 @@ returns out and lse and merges into the running out/lse; the backward takes the 
 lse, so the gradients of all calls add up to the full gradient.
 
 What the op does is probed once per device (:func:`.cudnn_ops.op_traits`), and every layout (one task's
-blocks) is planned once from that (:func:`plan_calls`), never per call:
+blocks) is planned once from that (:func:`plan_layout`), never per call:
 
 - causal alignment: torch 2.11's op aligns the causal diagonal top-left in every sequence. A causal block
   with keys before its first query row (a row range that starts inside a document) needs the bottom-right
   rule, so its layout runs as two calls: the square causal parts, and the full key prefixes of the blocks
   that have one; their results merge by lse, their gradients add. Square layouts run in one call.
-- graph reuse: an op that builds its cuDNN graph on every call (torch 2.11: tens of ms of host time a
-  call) runs each planned call as a CUDA graph, captured once and replayed; its inputs and outputs are
-  static buffers shared by all layouts of one shape class (device, dtype, heads, kv heads, head dim).
+- calls the op does not take (sequences all one token long: :func:`.cudnn_ops.takes`) go to the fallback
+  kernel (Triton on a GPU) with the call's blocks as key ranges, merged like the op's results.
+
+torch 2.11's op rebuilds its cuDNN graph on every call (about 80 ms of host time on an H100, see
+:mod:`.cudnn_ops`), so there this backend is correct but slow; it pays off with a torch whose op caches
+its graphs.
 
 The op takes bf16/fp16 CUDA tensors with head dims that are multiples of 8 up to 128 (cuDNN has no packed
 backward plan for 256); windows and other head dims are for other backends. Callers build the blocks.
@@ -25,37 +28,72 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
 from . import cudnn_ops as ops
-from .base import check_qkv, merge_into
+from .base import TRITON_HEAD_DIMS, check_qkv, merge_into
 from .cudnn_ops import head_dim_ok, op_traits, usable
-from .flash_varlen import DocBlocks, Rows, _acc, _check_blocks, _flat_rows, _gather, _RowMap, whole_rows
+from .flash_varlen import DocBlocks, Rows, _acc, _check_blocks, _gather, _RowMap, whole_rows
+from .reference import ReferenceKernel
 
-__all__ = ["CudnnVarlenKernel", "head_dim_ok", "op_traits", "plan_calls", "usable"]
-
-#: captured calls kept per shape class (least recently used dropped first)
-MAX_GRAPHS = 64
+__all__ = ["CudnnVarlenKernel", "head_dim_ok", "op_traits", "plan_calls", "plan_layout", "usable"]
 
 
 # --- planning a layout's calls (once per layout) -----------------------------------------------------
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+KeyRange = tuple[torch.Tensor, torch.Tensor]
+
 
 def plan_calls(blocks: DocBlocks, bottom_right: bool) -> tuple[DocBlocks, ...]:
-    """The op calls of one layout (cached per blocks object): the blocks themselves when the op's causal
-    rule fits them, else the square causal parts of the causal blocks and the full key prefixes of those
-    that have keys before their first query row (the bottom-right rule: row ``i`` of an ``m x n`` block
-    sees keys ``j <= i + n - m``)."""
+    """The calls of one layout (cached per blocks object): the blocks themselves when the op's causal rule
+    fits them, else the square causal parts of the causal blocks and the full key prefixes of those that
+    have keys before their first query row (the bottom-right rule: row ``i`` of an ``m x n`` block sees
+    keys ``j <= i + n - m``)."""
     plans = _plans.setdefault(blocks, {})
     if bottom_right not in plans:
         squares = all(m == n for m, n in zip(blocks.q_lens, blocks.k_lens))
         plans[bottom_right] = (blocks,) if bottom_right or not blocks.causal or squares else _split(blocks)
     return plans[bottom_right]
+
+
+def plan_layout(blocks: DocBlocks, bottom_right: bool, batch: int, q_len: int,
+                kv_len: int) -> tuple[tuple[DocBlocks, KeyRange | None], ...]:
+    """Each call of :func:`plan_calls` with, for a call the op does not take (:func:`.cudnn_ops.takes`), the
+    per-row key ranges of its blocks for the fallback kernel (None: the op runs it); cached per layout."""
+    plans = _plans.setdefault(blocks, {})
+    key = (bottom_right, batch, q_len, kv_len)
+    if key not in plans:
+        plans[key] = tuple((part, None if ops.takes(part.max_q, part.max_k) else
+                            block_key_ranges(part, batch, q_len, kv_len))
+                           for part in plan_calls(blocks, bottom_right))
+    return plans[key]
+
+
+def block_key_ranges(blocks: DocBlocks, batch: int, q_len: int, kv_len: int) -> KeyRange:
+    """The blocks' mask as key ranges ``(lo, hi)``, int32 ``(batch, q_len)`` on the blocks' device (rows fed
+    to no block see nothing; both stay non-decreasing along a row). One host read of the row indices."""
+    def host(rows: Rows) -> torch.Tensor:
+        return torch.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows.cpu()
+
+    q_idx, k_idx = host(blocks.q_rows), host(blocks.k_rows)
+    lo = torch.full((batch * q_len,), -1, dtype=torch.int64)
+    hi = lo.clone()
+    qa = ka = 0
+    for m, n in zip(blocks.q_lens, blocks.k_lens):
+        rows, k0 = q_idx[qa:qa + m], int(k_idx[ka]) % kv_len  # a block's keys are one run of one row
+        lo[rows] = k0
+        seen = (torch.arange(m) + (n - m + 1)).clamp(0, n) if blocks.causal else torch.full((m,), n)
+        hi[rows] = k0 + seen
+        qa, ka = qa + m, ka + n
+    lo, hi = lo.view(batch, q_len), hi.view(batch, q_len)
+    fed = hi >= 0
+    reached = torch.where(fed, hi, 0).cummax(dim=1).values
+    dev = blocks.cu_q.device
+    return (torch.where(fed, lo, reached).to(torch.int32).to(dev),
+            torch.where(fed, hi, reached).to(torch.int32).to(dev))
 
 
 def _split(blocks: DocBlocks) -> tuple[DocBlocks, ...]:
@@ -99,14 +137,14 @@ def _sub_blocks(blocks: DocBlocks, q_pos, k_pos, q_lens, k_lens, causal, device)
                      cumulative(q_lens), cumulative(k_lens), causal)
 
 
-# --- running a planned call: eagerly, or as a replayed CUDA graph --------------------------------------
+# --- running a planned call ----------------------------------------------------------------------------
 
 def _op_args(part: DocBlocks) -> tuple:
     return part.cu_q, part.cu_k, part.max_q, part.max_k, part.causal
 
 
-class _EagerCalls:
-    """Each call runs the op directly."""
+class _OpCalls:
+    """Planned calls run through the op."""
 
     def __init__(self, traits: ops.OpTraits) -> None:
         self.traits = traits
@@ -128,132 +166,48 @@ class _EagerCalls:
         return ops.op_backward(dog, qg, kg, vg, og, op_lse, tr.seed, tr.offset, *_op_args(part), scale)
 
 
-class _Statics:
-    """Static buffers and captured calls of one shape class; growing the buffers drops the calls."""
-
-    NAMES_Q = ("q", "o", "do", "dq")
-    NAMES_K = ("k", "v", "dk", "dv")
-
-    def __init__(self, device, dtype, heads, kv_heads, dim) -> None:
-        self.device, self.dtype, self.heads, self.kv_heads, self.dim = device, dtype, heads, kv_heads, dim
-        self.cap_q = self.cap_k = 0
-        self.bufs: dict[str, torch.Tensor] = {}
-        self.calls: OrderedDict = OrderedDict()
-        self.pool = ops.graph_pool(device)
-
-    def fit(self, total_q: int, total_k: int) -> None:
-        if total_q <= self.cap_q and total_k <= self.cap_k:
-            return
-        self.calls.clear()
-        self.bufs.clear()
-        self.cap_q, self.cap_k = max(total_q, self.cap_q), max(total_k, self.cap_k)
-        shapes = ((self.NAMES_Q, self.cap_q, self.heads), (self.NAMES_K, self.cap_k, self.kv_heads))
-        for names, rows, h in shapes:
-            for name in names:
-                self.bufs[name] = torch.empty(rows, h, self.dim, dtype=self.dtype, device=self.device)
-        lse_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        for name in ("lse_out", "lse_in"):
-            self.bufs[name] = torch.empty(self.cap_q * self.heads, dtype=lse_dtype, device=self.device)
-
-    def take(self, name: str, x: torch.Tensor, rows: Rows, total: int) -> torch.Tensor:
-        """Gather ``rows`` of ``(batch, length, H, D)`` ``x`` into the static buffer ``name``."""
-        dst = self.bufs[name][:total]
-        flat = _flat_rows(x)
-        if isinstance(rows, slice):
-            dst.copy_(flat[rows])
-        elif flat.dtype == dst.dtype:
-            torch.index_select(flat, 0, rows, out=dst)
-        else:
-            dst.copy_(flat.index_select(0, rows))
-        return dst
-
-    def take_qkv(self, q, k, v, part: DocBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (self.take("q", q, part.q_rows, part.total_q), self.take("k", k, part.k_rows, part.total_k),
-                self.take("v", v, part.k_rows, part.total_k))
-
-    def replay(self, key: tuple, fn: Callable[[], None]) -> None:
-        """Replay the call captured for ``key`` (capturing ``fn`` the first time)."""
-        run = self.calls.pop(key, None)
-        if run is None:
-            run = ops.capture(fn, self.device, self.pool)
-        self.calls[key] = run
-        if len(self.calls) > MAX_GRAPHS:
-            self.calls.popitem(last=False)
-        run()
+_fallbacks: dict[tuple[str, int], object] = {}
 
 
-class _GraphCalls:
-    """Each planned call runs as a CUDA graph captured once per (part, kind, scale) and replayed."""
+def fallback_kernel(device: torch.device, head_dim: int):
+    """The kernel taking the calls the op does not: Triton with key ranges on a GPU where it compiles this
+    head dim, else the reference kernel."""
+    key = (device.type, head_dim)
+    if key not in _fallbacks:
+        kernel = None
+        if device.type == "cuda" and head_dim in TRITON_HEAD_DIMS:
+            try:
+                from .triton_attn import TritonKernel
 
-    def __init__(self, traits: ops.OpTraits) -> None:
-        self.traits = traits
-        self.classes: dict[tuple, _Statics] = {}
-
-    def _statics(self, q, k, part) -> _Statics:
-        key = (str(q.device), q.dtype, q.shape[2], k.shape[2], q.shape[3])
-        if key not in self.classes:
-            self.classes[key] = _Statics(q.device, q.dtype, q.shape[2], k.shape[2], q.shape[3])
-        st = self.classes[key]
-        st.fit(part.total_q, part.total_k)
-        return st
-
-    def forward(self, part: DocBlocks, q, k, v, scale):
-        st, tq = self._statics(q, k, part), part.total_q
-        qs, ks, vs = st.take_qkv(q, k, v, part)
-        o_s, lse_s = st.bufs["o"][:tq], st.bufs["lse_out"][: q.shape[2] * tq].view(q.shape[2], tq)
-        layout = self.traits.lse
-
-        def call():
-            o, lse, _, _ = ops.op_forward(qs, ks, vs, *_op_args(part), scale)
-            o_s.copy_(o)
-            lse_s.copy_(layout.rows(lse))
-
-        st.replay((part, "forward", scale), call)
-        return o_s, lse_s
-
-    def backward(self, part: DocBlocks, dout, q, k, v, out, rows_lse, scale):
-        st, tq, tk, tr = self._statics(q, k, part), part.total_q, part.total_k, self.traits
-        qs, ks, vs = st.take_qkv(q, k, v, part)
-        dos, os_ = st.take("do", dout, part.q_rows, tq), st.take("o", out, part.q_rows, tq)
-        op_lse = tr.lse.view(st.bufs["lse_in"], tq, q.shape[2])
-        tr.lse.rows(op_lse).copy_(rows_lse)
-        grads = st.bufs["dq"][:tq], st.bufs["dk"][:tk], st.bufs["dv"][:tk]
-
-        def call():
-            res = ops.op_backward(dos, qs, ks, vs, os_, op_lse, tr.seed, tr.offset, *_op_args(part), scale)
-            for dst, src in zip(grads, res):
-                dst.copy_(src)
-
-        st.replay((part, "backward", scale), call)
-        return grads
+                kernel = TritonKernel()
+            except ImportError:
+                kernel = None
+        _fallbacks[key] = kernel or ReferenceKernel()
+    return _fallbacks[key]
 
 
 # --- the kernel --------------------------------------------------------------------------------------
 
 class CudnnVarlenKernel:
     """Local attention through torch's cuDNN varlen ops: each task's documents in one planned set of calls
-    (one call, or two for causal blocks the op's top-left rule cannot express)."""
+    (one call, or two for causal blocks the op's top-left rule cannot express; a call the op does not take
+    goes to :func:`fallback_kernel`)."""
 
     name = "cudnn_varlen"
     supports_doc_blocks = True
     needs_out_in_backward = True
     supports_delta = False
 
-    def __init__(self, graphs: bool | None = None) -> None:
-        """``graphs``: run planned calls as replayed CUDA graphs (None: when the op rebuilds its cuDNN graph
-        on every call and a call can be captured, probed once per device)."""
-        self.graphs = graphs
-        self._runners: dict[str, _EagerCalls | _GraphCalls] = {}
+    def __init__(self) -> None:
+        self._runners: dict[str, _OpCalls] = {}
 
-    def runner(self, device: torch.device) -> _EagerCalls | _GraphCalls:
+    def runner(self, device: torch.device) -> _OpCalls:
         key = str(device)
         if key not in self._runners:
-            tr = op_traits(device)
-            use = (tr.rebuilds_graph and tr.capturable) if self.graphs is None else self.graphs
-            self._runners[key] = _GraphCalls(tr) if use else _EagerCalls(tr)
+            self._runners[key] = _OpCalls(op_traits(device))
         return self._runners[key]
 
-    def _calls(self, q, k, causal, doc_blocks) -> tuple[DocBlocks, ...]:
+    def _plan(self, q, k, causal, doc_blocks) -> tuple[tuple[DocBlocks, KeyRange | None], ...]:
         if doc_blocks is None:
             blocks = whole_rows(q.shape[0], q.shape[1], k.shape[1], causal, q.device)
         else:
@@ -261,7 +215,7 @@ class CudnnVarlenKernel:
             blocks = doc_blocks
         if blocks.num_blocks == 0:
             return ()
-        return plan_calls(blocks, op_traits(q.device).bottom_right)
+        return plan_layout(blocks, op_traits(q.device).bottom_right, q.shape[0], q.shape[1], k.shape[1])
 
     def forward(
         self,
@@ -282,16 +236,20 @@ class CudnnVarlenKernel:
         accum = out is not None or lse is not None
         if accum and (out is None or lse is None):
             raise ValueError("accumulate mode needs both the running out and lse; pass both or neither.")
-        calls = self._calls(q, k, causal, doc_blocks)
+        plan = self._plan(q, k, causal, doc_blocks)
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        direct = len(plan) == 1 and plan[0][1] is None  # one op call writes the result
         if not accum:
             lse = torch.full((b, h, lq), -math.inf, dtype=acc, device=q.device)
-            out = torch.zeros(q.shape, dtype=q.dtype if len(calls) < 2 else acc, device=q.device)
-        runner = self.runner(q.device) if calls else None
-        for i, part in enumerate(calls):
-            o, rows_lse = runner.forward(part, q, k, v, scale)
+            out = torch.zeros(q.shape, dtype=q.dtype if direct else acc, device=q.device)
+        for part, key_range in plan:
+            if key_range is not None:
+                fallback_kernel(q.device, q.shape[-1]).forward(q, k, v, causal=False, scale=scale, out=out,
+                                                               lse=lse, key_range=key_range)
+                continue
+            o, rows_lse = self.runner(q.device).forward(part, q, k, v, scale)
             rows = _RowMap(part.q_rows, b, lq, q.device)
-            if i == 0 and not accum:
+            if direct and not accum:
                 rows.put(out, o)
                 rows.put_lse(lse, rows_lse.to(lse.dtype))
                 continue
@@ -331,15 +289,20 @@ class CudnnVarlenKernel:
         if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
             raise ValueError(f"dout and out must have q's shape {tuple(q.shape)}; got {tuple(dout.shape)}, "
                              f"{tuple(out.shape)}.")
-        calls = self._calls(q, k, causal, doc_blocks)
+        plan = self._plan(q, k, causal, doc_blocks)
         b, lq = q.shape[:2]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         grads = [torch.zeros(like.shape, dtype=acc, device=q.device) if given is None else given
                  for given, like in ((dq, q), (dk, k), (dv, v))]
-        runner = self.runner(q.device) if calls else None
-        for part in calls:
+        for part, key_range in plan:
+            if key_range is not None:
+                fallback_kernel(q.device, q.shape[-1]).backward(
+                    dout, q, k, v, out, lse, causal=False, scale=scale, dq=grads[0], dk=grads[1], dv=grads[2],
+                    key_range=key_range)
+                continue
             rows = _RowMap(part.q_rows, b, lq, q.device)
-            gq, gk, gv = runner.backward(part, dout, q, k, v, out, _acc(rows.take_lse(lse)), scale)
+            rows_lse = _acc(rows.take_lse(lse))
+            gq, gk, gv = self.runner(q.device).backward(part, dout, q, k, v, out, rows_lse, scale)
             rows.put(grads[0], gq, accumulate=True)
             key_rows = _RowMap(part.k_rows, k.shape[0], k.shape[1], q.device)
             key_rows.put(grads[1], gk, accumulate=True)
