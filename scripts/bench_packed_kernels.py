@@ -50,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=420.0, help="skip further rows past this time")
     p.add_argument("--no-cudnn-varlen", action="store_true", help="leave the cuDNN varlen op out entirely")
     p.add_argument("--tag", default="", help="suffix of the results file name")
+    p.add_argument("--cudnn-varlen-despite-defects", action="store_true",
+                   help="time cudnn_varlen also where its torch is refused (its backward may be wrong)")
     p.add_argument("--fact", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
@@ -119,7 +121,8 @@ def packed_runners(seg, q, k, v, dout, scale, seq, args):
             return out, kernel.backward(dout, q, k, v, out, lse, causal=False, scale=scale, **mask)[0]
         return run
 
-    if not args.no_cudnn_varlen and cudnn_ops.usable(dev) and cudnn_ops.head_dim_ok(d):
+    cudnn_ok = cudnn_ops.usable(dev) or args.cudnn_varlen_despite_defects
+    if not args.no_cudnn_varlen and cudnn_ok and cudnn_ops.head_dim_ok(d):
         runners["cudnn_varlen"] = kernel_pair(cudnn_varlen.CudnnVarlenKernel(), doc_blocks=blocks)
     from lightseq_hf.kernels.triton_attn import TritonKernel
 
@@ -240,7 +243,8 @@ def probe_record() -> dict:
     except Exception as e:  # the op cannot run here: recorded as such
         return {"usable": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
     align = "bottom-right" if tr.bottom_right else "top-left"
-    return {"usable": True, "lse_layout": repr(tr.lse), "causal": align,
+    return {"usable": cudnn_ops.usable(dev), "unusable_reason": cudnn_ops.unusable_reason(dev),
+            "lse_layout": repr(tr.lse), "causal": align,
             "host_ms_per_repeated_call": tr.call_ms, "rebuilds_graph_every_call": tr.rebuilds_graph}
 
 

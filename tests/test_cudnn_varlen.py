@@ -233,7 +233,10 @@ def test_probe_refuses_an_op_whose_results_are_off(monkeypatch):
 def test_inputs_and_head_dims_the_op_takes():
     assert head_dim_ok(64) and head_dim_ok(128) and head_dim_ok(72)
     assert not head_dim_ok(256) and not head_dim_ok(100) and not head_dim_ok(None)
-    assert not cudnn_ops.usable(CPU)
+    assert not cudnn_ops.usable(CPU) and "CUDA GPU" in cudnn_ops.unusable_reason(CPU)
+    # torch releases whose varlen backward sizes dQ by the head dim are refused before any probe
+    assert "PR 186142" in cudnn_ops.version_defect("2.11.0+cu130")
+    assert cudnn_ops.version_defect("2.12.0") is None and cudnn_ops.version_defect("3.0.1") is None
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         cudnn_ops.check_cudnn_inputs(torch.zeros(1, 1, 8))
     with pytest.raises(ValueError, match="needs the attention output"):

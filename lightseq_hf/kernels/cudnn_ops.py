@@ -1,11 +1,15 @@
 """torch's cuDNN varlen attention ops for the ``cudnn_varlen`` backend: the two calls, and what the op does
 on a device (lse layout, causal alignment, host cost of a call), probed once.
 
-Measured on an H100 with torch 2.11.0+cu130 and cuDNN 9.19 (2026-11-24,
-``benchmarks/results/packed-kernels-h100-2026-11-24.json``): the lse is ``(total, heads, 1)`` float32, the
-causal diagonal is aligned top-left in every sequence, each call rebuilds its cuDNN graph (about 80 ms of
-host time a call, forward or backward), capturing a call in a CUDA graph crashes the process (segfault in
-``capture_end``), and a call whose sequences are all one token long did not return.
+Measured on an H100 with torch 2.11.0+cu130 and cuDNN 9.19 (2026-11-24; ``benchmarks/results/``
+``packed-kernels-h100-2026-11-24.json`` and ``gpu-tests-cudnn-varlen-h100-2026-11-24.log``): the lse is
+``(total, heads, 1)`` float32; the causal diagonal is aligned top-left in every sequence; each call
+rebuilds its cuDNN graph (80-100 ms of host time a call, forward or backward); capturing a call in a CUDA
+graph crashes the process (segfault in ``capture_end``); a call whose longest query sequence is one token
+did not return within 40 s; and the backward is wrong once a sequence is longer than the head dim (its dQ
+accumulator is sized by the head dim, pytorch PR 186142), then fails with illegal memory accesses. So
+torch before 2.12 is refused (:func:`unusable_reason`); later versions must pass the probe, whose backward
+check has a sequence longer than the head dim.
 
 Tests replace :func:`op_forward`, :func:`op_backward` and :func:`host_ms` with a CPU emulation; callers
 reach them through this module's attributes.
@@ -126,21 +130,42 @@ def op_traits(device: torch.device) -> OpTraits:
     return _traits[key]
 
 
-_usable: dict[str, bool] = {}
+#: torch releases whose cuDNN varlen backward sizes its dQ accumulator by the head dim (see above)
+BAD_BACKWARD_BEFORE = (2, 12)
+
+
+def version_defect(version: str) -> str | None:
+    """Why torch ``version``'s cuDNN varlen op must not be used, or None."""
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if (major, minor) < BAD_BACKWARD_BEFORE:
+        return (f"torch {version}'s cuDNN varlen backward is wrong for sequences longer than the head dim "
+                "(dQ accumulator sized by the head dim, pytorch PR 186142) and rebuilds its cuDNN graph on "
+                "every call; use torch >= 2.12, or backend='triton' / 'flash_varlen'.")
+    return None
+
+
+_unusable: dict[str, str | None] = {}
+
+
+def unusable_reason(device: torch.device) -> str | None:
+    """Why the cuDNN varlen op cannot serve ``device``, or None when it runs correctly there (probed once)."""
+    if device.type != "cuda":
+        return f"backend 'cudnn_varlen' needs a CUDA GPU; tensors are on {device}."
+    key = str(device)
+    if key not in _unusable:
+        reason = version_defect(torch.__version__)
+        if reason is None:
+            try:
+                op_traits(device)
+            except (RuntimeError, NotImplementedError, AttributeError, ValueError, AssertionError) as e:
+                reason = f"torch's cuDNN varlen op fails its probe on {device}: {str(e).splitlines()[0]}"
+        _unusable[key] = reason
+    return _unusable[key]
 
 
 def usable(device: torch.device) -> bool:
-    """True when the cuDNN varlen op runs correctly on ``device`` (a CUDA GPU; probed once)."""
-    if device.type != "cuda":
-        return False
-    key = str(device)
-    if key not in _usable:
-        try:
-            op_traits(device)
-            _usable[key] = True
-        except (RuntimeError, NotImplementedError, AttributeError, ValueError, AssertionError):
-            _usable[key] = False
-    return _usable[key]
+    """True when the cuDNN varlen op runs correctly on ``device`` (a CUDA GPU; decided once)."""
+    return unusable_reason(device) is None
 
 
 def _reference(q, k, v, cu_q, cu_k, scale, bottom_right):
@@ -176,14 +201,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _probe(device: torch.device) -> OpTraits:
-    """Run the op on small causal blocks (GQA; a block with more keys than queries), read off its lse layout,
-    causal alignment and per-call host cost, check forward and backward against float64."""
+    """Run the op on causal blocks (GQA; a block with more keys than queries, one longer than the head dim),
+    read off its lse layout, causal alignment and per-call host cost, check forward and backward against
+    float64."""
     g = torch.Generator().manual_seed(0)
-    heads, dim, cq, ck = 2, 64, [0, 2, 5], [0, 5, 8]
+    heads, dim, cq, ck = 2, 64, [0, 2, 72], [0, 5, 75]  # the second sequence is longer than the head dim
     q, dout = (torch.randn(cq[-1], heads, dim, generator=g).to(device, torch.bfloat16) for _ in "qd")
     k, v = (torch.randn(ck[-1], 1, dim, generator=g).to(device, torch.bfloat16) for _ in "kv")
     cu_q, cu_k = (torch.tensor(c, dtype=torch.int32, device=device) for c in (cq, ck))
-    args = (cu_q, cu_k, 3, 5, True, 0.125)
+    args = (cu_q, cu_k, 70, 70, True, 0.125)
     out, lse, seed, offset = op_forward(q, k, v, *args)
     layout = _lse_layout(lse, cq[-1], heads)
     for bottom_right in (True, False):

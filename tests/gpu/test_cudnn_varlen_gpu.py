@@ -28,8 +28,7 @@ from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range
 
 DEV = torch.device("cuda")
 if not cudnn_ops.usable(DEV):
-    pytest.skip("torch.ops.aten._cudnn_attention_forward does not run correctly on this GPU / torch build",
-                allow_module_level=True)
+    pytest.skip(cudnn_ops.unusable_reason(DEV), allow_module_level=True)
 
 
 def random_docs(n, seed, *, pad=False, max_len=1500):
