@@ -22,6 +22,11 @@ GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
+_POSITIVE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size")
+_OPTIONAL_KEYS = ("num_key_value_heads", "head_dim")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs from a Llama-family config."""
@@ -39,8 +44,17 @@ class ModelShape:
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config or a mapping of its entries."""
         get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        for key in _POSITIVE_KEYS:
+            value = get(key)
+            if value is None and key in _OPTIONAL_KEYS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config {key} must be a positive integer; got {value!r}")
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
+        if get("head_dim") is None and hidden % heads:
+            raise ValueError(f"model config hidden_size {hidden} is not divisible by num_attention_heads "
+                             f"{heads}; set head_dim")
         return cls(hidden=hidden, intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
                    heads=heads, kv_heads=get("num_key_value_heads") or heads,
                    head_dim=get("head_dim") or hidden // heads, vocab=get("vocab_size"),
