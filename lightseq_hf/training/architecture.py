@@ -78,9 +78,6 @@ def check_model_config(entries: dict | None, model_path: str | None) -> None:
     entries = dict(entries or {})
     merged = {**_path_entries(model_path), **entries}
     _check_numbers(entries)
-    model_type = entries.pop("model_type", None) or merged.get("model_type")
-    if model_type is not None and entries:
-        _check_against_defaults(_config_class(model_type), entries)
     hidden, heads = merged.get("hidden_size"), merged.get("num_attention_heads")
     if merged.get("head_dim") is None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
             and hidden % heads:
@@ -90,6 +87,9 @@ def check_model_config(entries: dict | None, model_path: str | None) -> None:
     if isinstance(kv, int) and isinstance(heads, int) and kv > 0 and heads % kv:
         raise ConfigError(f"model.config: num_attention_heads {heads} is not a multiple of "
                           f"num_key_value_heads {kv} (each key/value head serves a group of query heads)")
+    model_type = entries.pop("model_type", None) or merged.get("model_type")
+    if model_type is not None and entries:
+        _check_against_defaults(_config_class(model_type), entries)
 
 
 def model_vocab_size(entries: dict | None, model_path: str | None) -> int | None:

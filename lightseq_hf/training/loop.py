@@ -157,7 +157,11 @@ class Trainer:
         self.total_steps = t.max_steps if t.max_steps is not None else steps_per_epoch * t.epochs
 
     def _prepare_training(self) -> None:
-        """Optimizer and schedule, accelerate's wrapping, the resumed state, metrics and FLOP counts."""
+        """Optimizer and schedule, accelerate's wrapping, the resumed state, metrics and FLOP counts.
+
+        Nothing here may keep a reference to the model's parameters from before ``prepare``: FSDP copies
+        them into sharded storage, so a list of the originals would pin a full float32 copy of the
+        model on every rank (build_optimizer's lists die with its frame)."""
         cfg, t, acc = self.cfg, self.t, self.accelerator
         optimizer, self.scheduler = build_optimizer(self.model, cfg, self.total_steps)
         if t.cpu_offload:
@@ -204,13 +208,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
+    def _gradient_sync(self, last: bool) -> Any:
+        """The context of a micro-batch's backward. DDP reduces gradients on the last micro-batch only
+        (``no_sync`` before). FSDP reduces every micro-batch: skipping its reduce-scatter would keep every
+        layer's unsharded gradient (the whole model in the compute dtype, on every rank) until the last
+        one, while one more reduce-scatter per micro-batch costs little beside a long-context step."""
+        from accelerate.utils import DistributedType
+
+        if last or self.accelerator.distributed_type == DistributedType.FSDP:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model)
+
     def _forward_backward(self, batches: list[dict], step: int) -> torch.Tensor:
-        """Accumulate the gradients of ``batches`` (DDP synchronizes on the last); their summed loss."""
+        """Accumulate the gradients of ``batches`` (see _gradient_sync); their summed loss."""
         acc, model, device = self.accelerator, self.model, self.device
         loss_sum = torch.zeros((), device=device)
         for i, batch in enumerate(batches):
-            sync = i == len(batches) - 1
-            with contextlib.nullcontext() if sync else acc.no_sync(model):
+            with self._gradient_sync(last=i == len(batches) - 1):
                 extra = {"position_ids": batch["position_ids"].to(device)} \
                     if "position_ids" in batch else {}  # packed documents (data.packing)
                 out = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device),
