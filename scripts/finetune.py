@@ -1,7 +1,7 @@
-"""Sequence-parallel fine-tuning from a YAML config.
+"""Sequence-parallel fine-tuning from a YAML config (the ``lightseq-finetune`` command).
 
-    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml scripts/finetune.py configs/tiny.yaml \\
-        training.max_steps=20 output_dir=runs/try
+    python scripts/finetune.py --nproc 2 configs/tiny.yaml training.max_steps=20 output_dir=runs/try
+    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml scripts/finetune.py configs/tiny.yaml
 """
 
 import sys

@@ -214,3 +214,21 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path: Path) -> None:
     assert _digest(run) == before  # no re-save, no moved checkpoint, no new eval row, same summary
     summary = (run / "summary.json").read_text()
     json.loads(summary, parse_constant=lambda c: pytest.fail(f"summary.json holds {c}"))
+
+
+@pytest.mark.slow
+def test_error_found_after_the_launch_is_one_line(tmp_path: Path) -> None:
+    """``lightseq-finetune --nproc 2``: a config error only the workers can find (the dataset is smaller
+    than a batch) prints one line and exits 2, with no launcher traceback."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "scripts/finetune.py", "--nproc", "2", "configs/tiny.yaml",
+                           "training.device=cpu", "data.synthetic.num_samples=1", "training.batch_size=2",
+                           "context_length=128", "model.config.max_position_embeddings=128",
+                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "Warning" not in line
+             and not line.startswith("  warnings.warn")]
+    assert lines == ["lightseq-finetune: config error: training.batch_size 2 exceeds the 1 samples each of "
+                     "the 1 data-parallel groups has; lower training.batch_size or add data"], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr

@@ -73,6 +73,7 @@ def test_kill_during_save_then_resume_falls_back_to_last_complete(tmp_path: Path
     rc, out, _ = _launch(args, fault="save:1:4:kill")  # rank 1 dies after rank 0 wrote the weights
     assert rc != 0, out[-3000:]
     assert "fault injection: kill at save, rank 1, step 4" in out
+    assert "lightseq-finetune: rank 1 was killed by SIGKILL" in out  # the launcher's one line for it
     assert not (run / "checkpoint-4").exists() and (run / ".checkpoint-4.tmp" / "model.safetensors").is_file()
     verify_checkpoint(run / "checkpoint-2")  # the earlier save is complete and intact
     first = _records(run / "metrics.jsonl")
