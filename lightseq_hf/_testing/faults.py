@@ -17,7 +17,6 @@ import functools
 import os
 import re
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,13 +96,13 @@ def install(faults: list[Fault]) -> None:
     checkpoints.write_training_state = faulty_write_state
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     """``lightseq-finetune`` with the faults of ``LIGHTSEQ_TEST_FAULTS`` installed in every worker."""
-    from lightseq_hf.training.cli import main as cli_main
+    from lightseq_hf.training.cli import run
 
     install(parse(os.environ.get(ENV, "")))
-    return cli_main(argv, worker_module="lightseq_hf._testing.faults")
+    run(argv, worker_module="lightseq_hf._testing.faults")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

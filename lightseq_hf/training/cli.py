@@ -12,6 +12,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from .config import ConfigError, FinetuneConfig, load_config
 from .log import install_console_handler
@@ -158,5 +159,23 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
     return _run_worker(cfg)
 
 
+def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> NoReturn:
+    """The process entry point (``lightseq-finetune``, ``python -m``, scripts/finetune.py): :func:`main`,
+    then exit with its status.
+
+    A worker of a multi-process run ends with ``os._exit`` once its output is flushed, skipping the
+    interpreter's finalization: threads of the process-group backends (gloo's workers, the store) can
+    outlive ``destroy_process_group`` (a wrapped model or the library's groups still reference them),
+    and one that needs the GIL while the interpreter finalizes is ended by ``pthread_exit``, whose
+    unwind through a ``noexcept`` frame aborts the process ("terminate called without an active
+    exception") after a correct run. Everything the run writes is closed before ``main`` returns."""
+    code = main(argv, worker_module)
+    if (_world_size() or 1) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
