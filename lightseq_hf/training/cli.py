@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
 
         try:
             return launch(args.nproc, worker_module, _worker_args(argv), args.accelerate_config,
-                          grace_s=cfg.training.timeout_s + 30)
+                          grace_s=min(cfg.training.timeout_s, 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
     return _run_worker(cfg)

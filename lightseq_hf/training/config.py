@@ -330,9 +330,21 @@ def _need_path(value: str, key: str, what: str = "path") -> None:
 
 
 def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size: int | None = None) -> None:
-    """Checks the schema cannot make alone (several keys, the world size, paths); raise ConfigError
-    naming the key. Relative paths are resolved in place."""
+    """Checks the schema cannot make alone (several keys, the world size, paths, the architecture);
+    raise ConfigError naming the key. Relative paths are resolved in place."""
     base = Path(base_dir) if base_dir is not None else None
+    _validate_layout(cfg, world_size)
+    vocab = _validate_model(cfg, base)
+    _check_input_memory(cfg)
+    _validate_data(cfg, base, vocab)
+    r = cfg.saving.resume_from
+    if r is not None and r not in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
+        cfg.saving.resume_from = _resolve(r, base)
+        _need_path(cfg.saving.resume_from, "saving.resume_from",
+                   f"checkpoint directory (or '{RESUME_LATEST}' / '{RESUME_LATEST_OR_FRESH}')")
+
+
+def _validate_layout(cfg: FinetuneConfig, world_size: int | None) -> None:
     t = cfg.training
     if t.offload_checkpoints and t.checkpointing == "none":
         raise ConfigError("training.offload_checkpoints needs checkpointing (training.checkpointing remat or "
@@ -349,6 +361,11 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
             f"of a sequence-parallel group holds context_length / sp_size tokens"
         )
 
+
+def _validate_model(cfg: FinetuneConfig, base: Path | None) -> int | None:
+    """model.*, the tokenizer path and the architecture entries; the model's vocab_size when known."""
+    from .architecture import check_model_config, model_vocab_size
+
     m = cfg.model
     if m.path is None and not m.config:
         raise ConfigError("model: give model.path (a Hugging Face checkpoint) or model.config (inline)")
@@ -362,12 +379,11 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     if cfg.tokenizer not in (None, "bytes"):
         cfg.tokenizer = _resolve(cfg.tokenizer, base)
         _need_path(cfg.tokenizer, "tokenizer", "tokenizer directory")
-    from .architecture import check_model_config, model_vocab_size
-
     check_model_config(m.config, m.path)
-    vocab = model_vocab_size(m.config, m.path)
-    _check_input_memory(cfg)
+    return model_vocab_size(m.config, m.path)
 
+
+def _validate_data(cfg: FinetuneConfig, base: Path | None, vocab: int | None) -> None:
     dc = cfg.data
     if dc.type == "files":
         if not dc.paths:
@@ -375,7 +391,7 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
         for i, p in enumerate(dc.paths):
             dc.paths[i] = _resolve(str(p), base)
             _need_path(dc.paths[i], f"data.paths[{i}]", "data file")
-        if cfg.tokenizer is None and m.path is None:
+        if cfg.tokenizer is None and cfg.model.path is None:
             raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
         _check_formats(dc.paths, dc.format)
     if dc.type != "synthetic" and cfg.tokenizer == "bytes" and vocab is not None and vocab < BYTE_VOCAB:
@@ -392,12 +408,6 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
                 f"model.config.vocab_size {vocab} is too small for the passkey task: it needs at least "
                 f"{need} (3 special tokens, num_values * passkey_len key tokens, filler)"
             )
-
-    r = cfg.saving.resume_from
-    if r is not None and r not in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
-        cfg.saving.resume_from = _resolve(r, base)
-        _need_path(cfg.saving.resume_from, "saving.resume_from",
-                   f"checkpoint directory (or '{RESUME_LATEST}' / '{RESUME_LATEST_OR_FRESH}')")
 
 
 BYTE_VOCAB = 257  # data.ByteTokenizer: ids 0-255 and the end-of-text id 256

@@ -4,8 +4,9 @@ The workers get the environment ``torchrun`` gives (``MASTER_ADDR``/``MASTER_POR
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) plus, with ``--accelerate-config``, what
 ``accelerate launch`` derives from that file (FSDP, mixed precision). Each worker reports its own
 failure in one line (rank 0 for configuration errors); the launcher adds nothing to those, and one line
-for a worker that died without a word (killed by a signal). After the first worker fails, the others get
-``training.timeout_s`` plus a margin to notice and report it, then are terminated.
+for a worker that died without a word (killed by a signal). After the first worker fails, the others get a
+few seconds (``grace_s``) to report what they saw, then are terminated: a frozen peer never would, and the
+first failure's message already names where every rank was.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _wait(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
 
 
 def launch(nproc: int, module: str, worker_args: list[str], accelerate_config: str | None = None,
-           grace_s: float = 630.0) -> int:
+           grace_s: float = 10.0) -> int:
     """Run ``python -m module *worker_args`` as ``nproc`` ranks of one process group on this host; the
     exit status is the first failing rank's (0 when all succeed)."""
     base = accelerate_env(accelerate_config, nproc) if accelerate_config else dict(os.environ)
