@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -48,6 +49,13 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
         except Exception:
             pass
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # End without interpreter finalization (as lightseq_hf.training.cli.run does for its workers): gloo's
+    # worker threads can outlive destroy_process_group while a group is still referenced, and one that
+    # needs the GIL during finalization is ended by pthread_exit, whose unwind through a noexcept frame
+    # aborts the process ("terminate called without an active exception") after correct results.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> list:
