@@ -9,11 +9,13 @@ backward that reads the lse in that layout and the dropout placeholders the forw
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from lightseq_hf.kernels import cudnn_ops
 from lightseq_hf.kernels.cudnn_ops import LseLayout, OpTraits
+from lightseq_hf.kernels.cudnn_varlen import CudnnVarlenKernel
 
 #: the op's lse layouts the tests run: torch 2.11's ``(total, heads, 1)``, and ``(heads, total)``
 LAYOUTS = {"tokens": LseLayout(3, False, True), "heads": LseLayout(2, True, False)}
@@ -104,6 +106,11 @@ def install(setattr_, *, layout: str = "tokens", bottom_right: bool = False, slo
     setattr_(cudnn_ops, "host_ms", emu.host_ms)
     setattr_(cudnn_ops, "op_backward", emu.backward)
     setattr_(cudnn_ops, "_traits", {})
+    # the backend's declared capabilities widened to what the emulation takes: any device, any float dtype
+    caps = CudnnVarlenKernel.capabilities
+    setattr_(CudnnVarlenKernel, "capabilities",
+             replace(caps, devices=None, dtypes=caps.dtypes | {torch.float32, torch.float64}))
+    setattr_(CudnnVarlenKernel, "unavailable", lambda self, device, dtype=None: None)
     if not probe:
         cudnn_ops._traits["cpu"] = OpTraits(emu.layout, bottom_right, call_ms, emu.seed, emu.offset)
     return emu

@@ -224,7 +224,7 @@ def test_probe_refuses_an_op_whose_results_are_off(monkeypatch):
         cudnn_ops.op_traits(CPU)
 
 
-def test_inputs_and_head_dims_the_op_takes():
+def test_inputs_and_head_dims_the_op_takes(monkeypatch):
     assert head_dim_ok(64) and head_dim_ok(128) and head_dim_ok(72)
     assert not head_dim_ok(256) and not head_dim_ok(100) and not head_dim_ok(None)
     assert not cudnn_ops.usable(CPU) and "CUDA GPU" in cudnn_ops.unusable_reason(CPU)
@@ -233,6 +233,9 @@ def test_inputs_and_head_dims_the_op_takes():
     assert cudnn_ops.version_defect("2.12.0") is None and cudnn_ops.version_defect("3.0.1") is None
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         cudnn_ops.check_cudnn_inputs(torch.zeros(1, 1, 8))
+    x = torch.zeros(1, 2, 1, 8)
+    with pytest.raises(ValueError, match="backend 'cudnn_varlen' needs a CUDA GPU; tensors are on cpu"):
+        CudnnVarlenKernel().forward(x, x, x, causal=True, scale=1.0)
+    install(monkeypatch.setattr)
     with pytest.raises(ValueError, match="needs the attention output"):
-        x = torch.zeros(1, 2, 1, 8)
         CudnnVarlenKernel().backward(x, x, x, x, None, torch.zeros(1, 1, 2), causal=True, scale=1.0)

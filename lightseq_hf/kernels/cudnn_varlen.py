@@ -32,7 +32,7 @@ import weakref
 import torch
 
 from . import cudnn_ops as ops
-from .base import TRITON_HEAD_DIMS, check_qkv, merge_into
+from .base import AttentionMask, Capabilities, KernelBase, merge_into
 from .cudnn_ops import head_dim_ok, op_traits, usable
 from .flash_varlen import DocBlocks, Rows, _acc, _check_blocks, _gather, _RowMap, whole_rows
 from .reference import ReferenceKernel
@@ -175,11 +175,11 @@ def fallback_kernel(device: torch.device, head_dim: int):
     key = (device.type, head_dim)
     if key not in _fallbacks:
         kernel = None
-        if device.type == "cuda" and head_dim in TRITON_HEAD_DIMS:
+        if device.type == "cuda":
             try:
-                from .triton_attn import TritonKernel
+                from .triton_attn import SUPPORTED_HEAD_DIMS, TritonKernel
 
-                kernel = TritonKernel()
+                kernel = TritonKernel() if head_dim in SUPPORTED_HEAD_DIMS else None
             except ImportError:
                 kernel = None
         _fallbacks[key] = kernel or ReferenceKernel()
@@ -188,15 +188,25 @@ def fallback_kernel(device: torch.device, head_dim: int):
 
 # --- the kernel --------------------------------------------------------------------------------------
 
-class CudnnVarlenKernel:
+class CudnnVarlenKernel(KernelBase):
     """Local attention through torch's cuDNN varlen ops: each task's documents in one planned set of calls
     (one call, or two for causal blocks the op's top-left rule cannot express; a call the op does not take
-    goes to :func:`fallback_kernel`)."""
+    goes to :func:`fallback_kernel`). Not in the selection table: on torch 2.11 the op's backward is wrong
+    (:func:`~lightseq_hf.kernels.cudnn_ops.unusable_reason`), so ``auto`` never picks it there."""
 
     name = "cudnn_varlen"
-    supports_doc_blocks = True
-    needs_out_in_backward = True
-    supports_delta = False
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dim_multiple=8,
+        max_head_dim=256,
+        supports_doc_blocks=True,
+        needs_out_in_backward=True,
+    )
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+        reason = ops.unusable_reason(device)
+        return None if reason is None else reason.removeprefix("backend 'cudnn_varlen' ")
 
     def __init__(self) -> None:
         self._runners: dict[str, _OpCalls] = {}
@@ -211,27 +221,16 @@ class CudnnVarlenKernel:
         if doc_blocks is None:
             blocks = whole_rows(q.shape[0], q.shape[1], k.shape[1], causal, q.device)
         else:
-            _check_blocks(doc_blocks, q, k, causal)
+            _check_blocks(doc_blocks, q, k)
             blocks = doc_blocks
         if blocks.num_blocks == 0:
             return ()
         return plan_layout(blocks, op_traits(q.device).bottom_right, q.shape[0], q.shape[1], k.shape[1])
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-        doc_blocks: DocBlocks | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, q, k, v, mask: AttentionMask, *, scale, out, lse):
         """``(out, lse)`` of ``q`` against ``k``/``v`` over the blocks; with ``out``/``lse`` given, merges
         the fed rows into them (other rows untouched)."""
-        check_qkv(q, k, v)
+        causal, doc_blocks = mask.causal, mask.doc_blocks
         b, lq, h, _ = q.shape
         accum = out is not None or lse is not None
         if accum and (out is None or lse is None):
@@ -263,26 +262,10 @@ class CudnnVarlenKernel:
             out = out.to(q.dtype)
         return out, lse
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        delta: torch.Tensor | None = None,
-        dq: torch.Tensor | None = None,
-        dk: torch.Tensor | None = None,
-        dv: torch.Tensor | None = None,
-        doc_blocks: DocBlocks | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _backward(self, dout, q, k, v, out, lse, mask: AttentionMask, *, scale, delta, dq, dk, dv):
         """float32 ``(dq, dk, dv)`` of this call (added into ``dq``/``dk``/``dv`` when given). ``out`` and
         ``lse`` are the query rows' global results; ``delta`` is not taken (the op recomputes it)."""
-        check_qkv(q, k, v)
+        causal, doc_blocks = mask.causal, mask.doc_blocks
         if out is None:
             raise ValueError("backend 'cudnn_varlen' needs the attention output in backward (not only "
                              "delta).")
