@@ -17,17 +17,19 @@ Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table; the
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from benchlib.exactness import rel_err  # noqa: E402
+from benchlib.results import device_slug, today, version  # noqa: E402
+from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops  # noqa: E402
+from benchlib.workloads import lognormal_docs  # noqa: E402
 
 from lightseq_hf.kernels import cudnn_ops, cudnn_varlen, flash_varlen  # noqa: E402
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks  # noqa: E402
@@ -55,56 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fact", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
-
-
-def lognormal_docs(total: int, *, median: int, sigma: float, max_len: int, seed: int):
-    """Documents ``[start, stop)`` filling ``total`` tokens, log-normal lengths in ``[1, max_len]``."""
-    g = torch.Generator().manual_seed(seed)
-    docs, t = [], 0
-    while t < total:
-        draw = math.exp(math.log(median) + sigma * float(torch.randn(1, generator=g)))
-        length = max(1, min(max_len, round(draw)))
-        docs.append((t, min(total, t + length)))
-        t += length
-    return tuple(docs)
-
-
-def timed_ms(fn, target_ms: float = 600.0) -> float:
-    """Median of CUDA-event timings of ``fn`` after two warm-up calls; repetitions fill ``target_ms``."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    stop.record()
-    torch.cuda.synchronize()
-    reps = max(3, min(20, int(target_ms / max(start.elapsed_time(stop), 1e-3))))
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
-
-
-def gpu_ms(fn, reps: int = 3) -> float | None:
-    """The kernels' own time per call of ``fn`` (profiler, summed over kernels), host gaps excluded."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    try:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
-    except RuntimeError:  # no profiler on this machine: wall time only
-        return None
-    return total_us / 1e3 / reps
 
 
 def packed_runners(seg, q, k, v, dout, scale, seq, args):
@@ -195,8 +147,8 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
     k, v = (torch.randn(1, seq, hk, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in "kv")
     scale = d ** -0.5
     pairs = sum((b - a) * (b - a + 1) // 2 for a, b in docs)
-    flops = 3.5 * 4 * h * d * pairs
-    dense_flops = 3.5 * 4 * h * d * seq * (seq + 1) // 2
+    flops = pair_flops(h, d, pairs, with_bwd=True)
+    dense_flops = pair_flops(h, d, seq * (seq + 1) // 2, with_bwd=True)
     row = {"seq": seq, "head_dim": d, "heads": h, "kv_heads": hk, "docs": len(docs),
            "longest_doc": max(b - a for a, b in docs), "useful_pairs": pairs, "fwd_bwd": {}, "rel_err": {}}
     ref = None
@@ -205,18 +157,18 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
             out, dq = run()
             if ref is None:
                 ref = (out.float(), dq.float())
-            row["rel_err"][name] = [float((x.float() - r).norm() / r.norm()) for x, r in zip((out, dq), ref)]
+            row["rel_err"][name] = [rel_err(x, r) for x, r in zip((out, dq), ref)]
             del out, dq
-            ms, kernel_ms = timed_ms(run), gpu_ms(run)
-            row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gpu_ms": kernel_ms}
+            ms, gpu_ms = adaptive_event_ms(run), kernel_ms(run)
+            row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gpu_ms": gpu_ms}
         except Exception as e:  # a backend may refuse a shape: recorded, the table goes on
             row["fwd_bwd"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(f"  {seq // 1024}K d{d} {name}: {row['fwd_bwd'][name]} [{time.time() - t0:.0f}s]", flush=True)
         torch.cuda.empty_cache()
     run, gqa = dense_runner(q, k, v, dout, scale)
-    ms = timed_ms(run)
+    ms = adaptive_event_ms(run)
     row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa,
-                          "gpu_ms": gpu_ms(run)}
+                          "gpu_ms": kernel_ms(run)}
     print(f"  {seq // 1024}K d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
     ok = {n: r["ms"] for n, r in row["fwd_bwd"].items() if "ms" in r}
     if not ok:
@@ -332,12 +284,9 @@ def main(argv=None) -> None:
     if args.extra_dim_seq:
         s, d = args.extra_dim_seq.split(":")
         plan.append((int(s), int(d)))
-    import triton
-
     name = torch.cuda.get_device_name()
-    res = {"device": name, "date": datetime.date.today().isoformat(),
-           "versions": {"torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-                        "cudnn": torch.backends.cudnn.version()},
+    res = {"device": name, "date": today(),
+           "versions": {package: version(package) for package in ("torch", "triton", "cuda", "cudnn")},
            "config": {"dtype": "bfloat16", "batch": 1, "heads": h, "kv_heads": hk, "median": args.median,
                       "sigma": args.sigma, "max_doc": args.max_doc, "timing": "CUDA events, median",
                       "flops": "useful pairs x 4*heads*dim, fwd+bwd 3.5x"},
@@ -345,8 +294,7 @@ def main(argv=None) -> None:
     if not args.no_cudnn_varlen:
         res["cudnn_op_facts"], res["cudnn_varlen_probe"] = op_facts(), probe_record()
     print("probe:", res.get("cudnn_varlen_probe"), flush=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-").split("-")[0] or "gpu"
-    path = Path(args.out) / f"packed-kernels-{slug}-{res['date']}{args.tag}.json"
+    path = Path(args.out) / f"packed-kernels-{device_slug(name, short=True)}-{res['date']}{args.tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     for seq, d in plan:

@@ -45,9 +45,9 @@ from benchlib.peers import torch_context_parallel  # noqa: E402
 from benchlib.plots import pyplot, save  # noqa: E402
 from benchlib.results import ResultsFile, device_name, failure, results_path, run_meta  # noqa: E402
 from benchlib.timing import matmul_peak_flops, slowest, synchronize  # noqa: E402
-from benchlib.workloads import SHAPES, build_model  # noqa: E402
+from benchlib.workloads import SHAPES, build_model, llama_config  # noqa: E402
 
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet
+from lightseq_hf import metrics  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -77,13 +77,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_flops(shape, n: int) -> float:
-    """Model FLOPs of one training step on one sequence of n tokens (no recompute counted)."""
-    hidden, inter, layers, heads, kv_heads, vocab = shape
-    d = hidden // heads
-    per_layer = 2 * hidden * heads * d + 2 * hidden * kv_heads * d + 3 * hidden * inter
-    dense = layers * per_layer + hidden * vocab
-    attention = layers * 3.5 * 2 * heads * n * n * d  # causal forward 2*H*N^2*D, forward+backward 3.5x
-    return 6 * dense * n + attention
+    """Model FLOPs of one training step on one sequence of n tokens (no recompute counted), as
+    ``lightseq_hf.metrics`` counts them for the fine-tune."""
+    config = llama_config(shape, n)
+    return metrics.model_flops_per_step(config, metrics.matmul_params(config), 1, n)
 
 
 def shard(model, device, cpu_offload=False):
@@ -301,11 +298,12 @@ def plot(paths: list[str]) -> None:
     save(fig, Path(paths[0]).with_suffix(".png"))
 
 
-def train_meta(args, name: str, world: int, peak_measured: float | None) -> dict:
-    meta = run_meta(name, world, "transformers")
+def train_meta(args, device: torch.device, world: int, peak_measured: float | None) -> dict:
+    meta = run_meta(device_name(device), world, "transformers")
     meta.update(model=args.model, shape=SHAPES[args.model], backend=args.backend,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                 matmul_peak_tflops=peak_measured / 1e12 if peak_measured else None,
+                mfu_peak_tflops=metrics.peak_tflops(device),
                 notes="FSDP2 (bf16 params, fp32 reduce and master weights), AdamW, batch 1, gradient "
                       "checkpointing on in every variant; times: median step of the slowest rank after "
                       "one warm-up step")
@@ -362,7 +360,7 @@ def main() -> None:
     rows = []
     if kind == "maxctx" and path.exists():  # several calls (one per time limit) build one file
         rows = json.loads(path.read_text())["rows"]
-    results = ResultsFile(path, train_meta(args, device_name(device), world, peak_measured),
+    results = ResultsFile(path, train_meta(args, device, world, peak_measured),
                           lambda rows: summarize(rows, world), rank=rank, rows=rows)
     seqs = [int(s) for s in args.seqs.split(",")]
     variants = args.variants.split(",")
@@ -396,9 +394,9 @@ def measure(variant, n, args, shape, device, world, peak_measured, search=False)
                    optimizer_state_preallocated=search,
                    tokens_per_s=n / sec, peak_gib=peaks, loss=loss, memory_breakdown=breakdown,
                    host_peak_gib=host_peaks,
-                   mfu=flops / sec / world / PEAK_BF16)
+                   mfu=metrics.mfu(flops, sec, world, metrics.peak_tflops(device)))
         if peak_measured:
-            row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
+            row["mfu_vs_measured_matmul"] = metrics.mfu(flops, sec, world, peak_measured / 1e12)
         if base in ("remat", "hf") and world > 1:  # the planner's prediction beside the measured peaks
             from lightseq_hf.planner import plan_memory
 

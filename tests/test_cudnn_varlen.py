@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from cudnn_emulation import LAYOUTS, install
+from distributed import rel_err
 from doc_reference import random_docs
 
 from lightseq_hf.kernels import ReferenceKernel, cudnn_ops
@@ -42,13 +43,6 @@ def tasks_of(world, seg, chunk):
     tasks += [SpanTask(i, j, 0, chunk, 0) for i in range(world) for j in range(world)]
     tasks += [SpanTask(i, i, a, b, 0, True) for i in range(world) for a, b in ((5, 12), (3, 9))]
     return tasks
-
-
-def rel_err(x, ref):
-    x, ref = x.detach().double(), ref.detach().double()
-    finite = torch.isfinite(ref)
-    assert torch.equal(finite, torch.isfinite(x)), "infinite entries differ"
-    return float((x[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("layout,bottom_right", [("tokens", False), ("heads", False), ("tokens", True)])

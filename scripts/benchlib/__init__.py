@@ -1,8 +1,9 @@
 """The benchmark harness shared by ``scripts/bench_*.py``.
 
 - :mod:`.launch`: process group and device of a ``torchrun`` (or a test's) process.
-- :mod:`.timing`: median milliseconds (CUDA events or the host clock, warm-up, slowest rank), peak memory,
-  per-rank values, attention FLOPs, the measured bf16 matmul rate.
+- :mod:`.timing`: median milliseconds (CUDA events or the host clock, warm-up, slowest rank; the
+  profiler's kernel time), peak memory, per-rank values, attention FLOPs (``lightseq_hf.metrics``'
+  count), the measured bf16 matmul rate.
 - :mod:`.exactness`: relative errors against references, agreement of all ranks.
 - :mod:`.results`: results files (device, date, versions; rewritten after every row), failures as rows.
 - :mod:`.plots`: matplotlib without a display.

@@ -9,6 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from lightseq_hf import metrics
+
 
 def synchronize(device: torch.device | str) -> None:
     """Wait for the device's queued work (nothing to wait for on the CPU)."""
@@ -85,11 +87,18 @@ def peak_gib(fn: Callable[[], object], device: torch.device) -> float | None:
     return max(slowest([torch.cuda.max_memory_allocated(device) / 2**30], device))
 
 
-def attention_flops(batch: int, heads: int, n: int, dim: int, *, causal: bool, with_bwd: bool) -> float:
-    """FLOPs of attention over ``n`` tokens: forward ``4*B*H*N^2*D`` (half for causal), forward+backward
-    3.5x the forward."""
-    fwd = (2.0 if causal else 4.0) * batch * heads * n * n * dim
+def pair_flops(heads: int, dim: int, pairs: float, *, with_bwd: bool) -> float:
+    """FLOPs of attention over ``pairs`` visible query-key pairs: ``4*H*D`` per pair forward (scores and
+    values), forward+backward 3.5x the forward (``lightseq_hf.metrics``' count)."""
+    fwd = 4.0 * heads * dim * pairs
     return fwd * 3.5 if with_bwd else fwd
+
+
+def attention_flops(batch: int, heads: int, n: int, dim: int, *, causal: bool, with_bwd: bool) -> float:
+    """FLOPs of attention over ``batch`` sequences of ``n`` tokens: forward ``4*B*H*N^2*D``, causal half
+    of it (``N^2 / 2`` pairs), forward+backward 3.5x the forward."""
+    pairs = metrics.causal_attention_pairs(batch, n) if causal else batch * n * n
+    return pair_flops(heads, dim, pairs, with_bwd=with_bwd)
 
 
 def matmul_peak_flops(size: int = 8192, reps: int = 20) -> float:
@@ -107,3 +116,41 @@ def matmul_peak_flops(size: int = 8192, reps: int = 20) -> float:
     end.record()
     end.synchronize()
     return 2 * size**3 * reps / (start.elapsed_time(end) / 1e3)
+
+
+def adaptive_event_ms(fn: Callable[[], object], target_ms: float = 600.0) -> float:
+    """Median of CUDA-event timings of ``fn`` after two warm-up calls; repetitions fill ``target_ms``."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    stop.record()
+    torch.cuda.synchronize()
+    reps = max(3, min(20, int(target_ms / max(start.elapsed_time(stop), 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def kernel_ms(fn: Callable[[], object], reps: int = 3) -> float | None:
+    """The kernels' own time per call of ``fn`` (profiler, summed over kernels), host gaps excluded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        total_us = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages())
+    except RuntimeError:  # no profiler on this machine: wall time only
+        return None
+    return total_us / 1e3 / reps
