@@ -2,10 +2,11 @@
 
 from .parallel import build_schedule, dist_flash_attn
 from .parallel.sharding import pad_to_multiple
-from .patches import patch_llama, patch_model, unpatch_llama
+from .patches import patch, patch_llama, patch_model, unpatch, unpatch_llama
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "build_schedule", "dist_flash_attn", "pad_to_multiple", "patch_llama", "patch_model", "unpatch_llama",
+    "build_schedule", "dist_flash_attn", "pad_to_multiple", "patch", "patch_llama", "patch_model", "unpatch",
+    "unpatch_llama",
 ]
