@@ -136,13 +136,13 @@ def describe(model: torch.nn.Module) -> Architecture:
     if not isinstance(decoder, PreTrainedModel) or not isinstance(layers, torch.nn.ModuleList):
         raise refuse("no decoder stack with a `layers` list (composite and multimodal models are not "
                      "supported)", "Load the text model with AutoModelForCausalLM.")
+    kinds = _layer_kinds(config, refuse)
     if not type(model)._supports_attention_backend:
         raise refuse("its attention does not go through Transformers' AttentionInterface")
+    attention = _attention_modules(layers, refuse)
     missing = [p for p in DECODER_PARAMS if p not in inspect.signature(type(decoder).forward).parameters]
     if missing:
         raise refuse(f"{type(decoder).__name__}.forward does not take {', '.join(missing)}")
-    kinds = _layer_kinds(config, len(layers), refuse)
-    attention = _attention_modules(layers, refuse)
     head = head_extras(model)
     if head is None:
         raise refuse(f"{name}.forward computes its loss without self.loss_function")
@@ -155,7 +155,7 @@ def describe(model: torch.nn.Module) -> Architecture:
     )
 
 
-def _layer_kinds(config, num_layers: int, refuse) -> tuple[str, ...]:
+def _layer_kinds(config, refuse) -> tuple[str, ...]:
     """``config.layer_types`` (empty without: each attention then passes its own ``sliding_window``)."""
     kinds = tuple(getattr(config, "layer_types", None) or ())
     other = [k for k in dict.fromkeys(kinds) if k not in ATTENTION_KINDS]
@@ -175,7 +175,7 @@ def _attention_modules(layers: torch.nn.ModuleList, refuse) -> list[torch.nn.Mod
     for i, layer in enumerate(layers):
         attention = [m for m in layer.modules() if uses_attention_interface(type(m))]
         if not attention:
-            raise refuse(f"decoder layer {i} ({type(layer).__name__}) has no attention through the "
+            raise refuse(f"decoder layer {i} ({type(layer).__name__}) runs no attention through the "
                          "AttentionInterface (a linear-attention, state-space or recurrent layer)")
         convolutions = [n for n, m in layer.named_modules() if isinstance(m, torch.nn.Conv1d)]
         if convolutions:
