@@ -141,21 +141,3 @@ def test_document_packing_from_files(tmp_path: Path) -> None:
     concat = tokenize_and_pack(ds, ByteTokenizer(), 5, packing="concat")
     assert "position_ids" not in concat.column_names
     assert concat[0]["labels"].tolist() == concat[0]["input_ids"].tolist()
-
-
-def test_model_flops_count_the_pairs_packed_documents_see() -> None:
-    from types import SimpleNamespace
-
-    from lightseq_hf.training.loop import model_flops_per_step, packed_attention_pairs
-
-    cfg = SimpleNamespace(num_attention_heads=4, hidden_size=64, num_hidden_layers=2)
-    whole = model_flops_per_step(cfg, 1000, 2, 512)
-    assert whole == 6.0 * 1000 * 2 * 512 + 3.5 * 2 * 2 * 4 * 512**2 * 16 * 2  # 2 B H N^2 D per layer
-    # two rows packed from documents of 3, 5 and 504 tokens and of 512: their causal pairs
-    pos = torch.stack([torch.cat([torch.arange(3), torch.arange(5), torch.arange(504)]), torch.arange(512)])
-    pairs = packed_attention_pairs(pos)
-    assert pairs == 3 * 4 // 2 + 5 * 6 // 2 + 504 * 505 // 2 + 512 * 513 // 2
-    packed = model_flops_per_step(cfg, 1000, 2, 512, attention_pairs=pairs)
-    assert 6.0 * 1000 * 2 * 512 < packed < whole * 1.01
-    short = packed_attention_pairs(torch.arange(8).repeat(64)[None])  # 64 documents of 8 tokens
-    assert short == 64 * 36 and model_flops_per_step(cfg, 1000, 1, 512, attention_pairs=short) < whole / 2

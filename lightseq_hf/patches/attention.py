@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ class SequenceParallelContext:
     layer_kinds: tuple[str, ...] = ()
     chunked_segments: Segments | None = None  # documents cut at the attention chunks (chunked layers)
     model_type: str = ""
+    reference_attention: Callable | None = None  # set under state.unsharded(): replaces the distributed one
 
 
 def chunked_documents(segments: Segments | None, attention_mask: torch.Tensor | None, batch: int, seq: int,
@@ -98,6 +100,8 @@ def lightseq_attention(
             f"attention dropout ({dropout}) is not supported by lightseq_hf's distributed attention; set "
             "config.attention_dropout = 0.0."
         )
+    if context.reference_attention is not None:  # under state.unsharded()
+        return context.reference_attention(module, query, key, value, scaling, **kwargs), None
     is_causal = kwargs.pop("is_causal", None)
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise ValueError(f"{context.model_type}: {type(module).__name__} asked for bidirectional attention; "

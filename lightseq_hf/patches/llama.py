@@ -8,7 +8,7 @@ from . import batch, forward, model, state
 from .batch import check_same_batch as _check_same_batch  # noqa: F401
 from .forward import LOSS_CHUNK_TOKENS  # noqa: F401
 from .model import patch, patch_llama, patch_model, unpatch, unpatch_llama  # noqa: F401
-from .state import ATTN_IMPLEMENTATION, resolve_sp_group  # noqa: F401
+from .state import ATTN_IMPLEMENTATION, resolve_sp_group, unsharded  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

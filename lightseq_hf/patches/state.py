@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,8 +48,34 @@ def settings_of(model: torch.nn.Module) -> PatchSettings:
     return settings
 
 
+#: (attention, group of this rank alone) while :func:`unsharded` is active
+_unsharded: contextvars.ContextVar[tuple[Callable, dist.ProcessGroup] | None] = contextvars.ContextVar(
+    "lightseq_unsharded", default=None)
+
+
+@contextlib.contextmanager
+def unsharded(attention: Callable, solo_group: dist.ProcessGroup) -> Iterator[None]:
+    """Patched forwards started inside run unsharded on this rank (the reference pass of a parity
+    check): ``solo_group`` (this rank alone) is their group, so they do not split the rows, and
+    ``attention(module, query, key, value, scaling, **kwargs)`` (HF layout) replaces the distributed
+    attention, in checkpoint recomputes too."""
+    token = _unsharded.set((attention, solo_group))
+    try:
+        yield
+    finally:
+        _unsharded.reset(token)
+
+
+def unsharded_attention() -> Callable | None:
+    """The attention :func:`unsharded` gave, while it is active."""
+    active = _unsharded.get()
+    return None if active is None else active[0]
+
+
 def resolve_sp_group(settings: PatchSettings | None = None) -> dist.ProcessGroup | None:
     """The sequence-parallel group a patched forward uses now (``None``: no parallelism)."""
+    if _unsharded.get() is not None:
+        return _unsharded.get()[1]
     settings = settings or _settings
     if settings is not None and settings.sp_group is not None:
         return settings.sp_group

@@ -22,6 +22,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..metrics import (
+    flop_params,
+    memory_stats,
+    model_flops_per_step,
+    packed_attention_pairs,
+    peak_tflops,
+    reset_peak_memory,
+    tflops_per_device,
+)
 from ..parallel.sharding import shard_for
 from .config import RESUME_LATEST, RESUME_LATEST_OR_FRESH, ConfigError, FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer, passkey_spec
@@ -35,9 +44,6 @@ from .saving import (
     verify_checkpoint,
     write_completion_record,
 )
-
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-               "B200": 2250.0}
 
 
 class TrainState:
@@ -150,36 +156,6 @@ def use_fsdp_cpu_offload(accelerator: Any) -> None:
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
-
-
-def model_flops_per_step(model_cfg: Any, n_params: int, seqs: int, seq_len: int,
-                         attention_pairs: float | None = None) -> float:
-    """Model FLOPs of one training step (no recompute): 6 * params * tokens + causal attention.
-
-    Attention: forward 2 * B * H * N^2 * D per layer (causal half of 4 B H N^2 D), forward plus
-    backward 3.5x that. ``attention_pairs``: the step's visible query-key pairs when they are not whole
-    causal sequences (packed documents), 4 * H * D forward FLOPs each per layer.
-    """
-    heads = model_cfg.num_attention_heads
-    head_dim = getattr(model_cfg, "head_dim", None) or model_cfg.hidden_size // heads
-    pairs = seqs * seq_len**2 / 2 if attention_pairs is None else attention_pairs
-    attn = 3.5 * 4 * pairs * heads * head_dim * model_cfg.num_hidden_layers
-    return 6.0 * n_params * seqs * seq_len + attn
-
-
-def packed_attention_pairs(position_ids: torch.Tensor) -> int:
-    """Visible causal pairs of rows whose ``position_ids`` restart at 0 for each document: a document
-    of ``L`` tokens has ``L (L + 1) / 2``, the sum of ``position + 1`` over its tokens."""
-    return int((position_ids.long() + 1).sum())
-
-
-def _peak_tflops(cfg: FinetuneConfig, device: torch.device) -> float | None:
-    if cfg.logging.peak_tflops is not None:
-        return cfg.logging.peak_tflops
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
 def _warn(msg: str) -> None:
@@ -475,7 +451,7 @@ def train(cfg: FinetuneConfig) -> dict:
                           f"{msg}") from e
     vocab_size = model.config.vocab_size
     model = apply_patch(model, cfg, groups.sp_group, offload_setting(cfg, accelerator))
-    n_params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    n_params = flop_params(model)
 
     dataset = build_train_dataset(cfg, tokenizer, accelerator.main_process_first, vocab_size=vocab_size)
     sampler = ParallelSampler(len(dataset), groups.dp_size, groups.dp_rank, shuffle=True, seed=t.seed)
@@ -515,7 +491,7 @@ def train(cfg: FinetuneConfig) -> dict:
     tokens_per_step = seqs_per_step * cfg.context_length
     flops_per_step = model_flops_per_step(accelerator.unwrap_model(model).config, n_params, seqs_per_step,
                                           cfg.context_length)
-    peak = _peak_tflops(cfg, device)
+    peak = peak_tflops(device, cfg.logging.peak_tflops)
     is_synthetic = cfg.data.type == "synthetic"
     if accelerator.is_main_process:
         print(f"[lightseq] world {world} = {groups.dp_size} data-parallel x {groups.sp_size} "
@@ -527,8 +503,7 @@ def train(cfg: FinetuneConfig) -> dict:
 
     bar = tqdm(total=total_steps, initial=state.step, disable=not (accelerator.is_main_process and
                cfg.logging.progress_bar), desc="fine-tune", dynamic_ncols=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     last_eval: dict = {}
     t_start = time.perf_counter()
     train_time = 0.0
@@ -628,12 +603,12 @@ def train(cfg: FinetuneConfig) -> dict:
                 pairs = float(accelerator.reduce(pairs, reduction="sum")) / groups.sp_size
                 step_flops = model_flops_per_step(accelerator.unwrap_model(model).config, n_params,
                                                   seqs_per_step, cfg.context_length, attention_pairs=pairs)
-            tflops = step_flops / dt / world / 1e12
+            tflops = tflops_per_device(step_flops, dt, world)
             if device.type == "cuda":
                 rec["tflops_per_gpu"] = tflops
                 if peak:
                     rec["mfu"] = tflops / peak
-                mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+                mem = torch.tensor([memory_stats(device)["peak_allocated_gib"]], device=device)
                 rec["peak_mem_gib_per_rank"] = [round(float(x), 2) for x in accelerator.gather(mem).cpu()]
             if state.step % cfg.logging.every == 0 or state.step == total_steps or skipped:
                 writer.write(rec)
