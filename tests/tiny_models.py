@@ -20,6 +20,7 @@ SHRINK = dict(
     shared_expert_intermediate_size=40, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
     pad_token_id=0, bos_token_id=1, eos_token_id=2, output_router_logits=True, router_aux_loss_coef=0.05,
     attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    residual_dropout=0.0, dropout=0.0, router_jitter_noise=0.0, input_jitter_noise=0.0,
     n_embd=48, n_layer=3, n_head=6, n_positions=256, n_inner=64, tie_word_embeddings=False,
 )
 #: per model type: fields to leave alone (derived by the config) and fields to set besides SHRINK
@@ -46,6 +47,10 @@ ADJUST = {
                                 interleave_moe_layer_step=1, num_local_experts=2, num_experts_per_tok=1,
                                 intermediate_size_mlp=64)),
     "phi3": (set(), dict(partial_rotary_factor=0.5)),
+    "lfm2": (set(), dict(layer_types=["conv", "full_attention", "conv"])),
+    "minicpm3": ({"head_dim"}, dict(num_key_value_heads=6, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
+                                    kv_lora_rank=16, q_lora_rank=24)),
+    "gemma4_text": (set(), dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)),
     "olmo2": (set(), {}),
 }
 
@@ -60,6 +65,10 @@ def tiny_config(model_type: str, **overrides):
     values = {k: v for k, v in SHRINK.items() if k in fields and k not in keep}
     values.update(extra)
     values.update(overrides)
+    layers = values.get("num_hidden_layers")
+    kinds = fields.get("layer_types")
+    if kinds and layers and "layer_types" not in values and len(kinds) != layers:
+        values["layer_types"] = (list(dict.fromkeys(kinds)) * layers)[:layers]  # every kind it has, in turn
     return cls(**values)
 
 

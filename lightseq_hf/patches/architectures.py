@@ -1,8 +1,8 @@
 """Which causal LMs the patch serves, found from the model itself: its classes, config and code.
 
 A model is served when it is a decoder-only causal LM of Transformers (its class is one that
-``AutoModelForCausalLM`` builds) whose decoder stack (``model.<base_model_prefix>``) runs a
-``layers`` list in which every layer's token mixing is one attention module going through
+``AutoModelForCausalLM`` builds) whose decoder stack (``model.<base_model_prefix>``) runs a list
+of decoder layers (``GradientCheckpointingLayer``) in which every layer's token mixing goes through
 Transformers' ``AttentionInterface`` (``ALL_ATTENTION_FUNCTIONS``), with causal attention of the
 kinds the distributed attention computes exactly: full, sliding-window, chunked. Everything else is
 refused here, at patch time, by a :class:`UnsupportedModel` error naming the feature and the model type.
@@ -73,6 +73,12 @@ def causal_lm_class_names() -> frozenset[str]:
     return frozenset(names)
 
 
+def _seq2seq_model_types() -> frozenset[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
+
+
 def is_causal_lm(model: object) -> bool:
     from transformers import PreTrainedModel
 
@@ -95,11 +101,45 @@ def uses_attention_interface(cls: type) -> bool:
 
 
 def decoder_stack(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The decoder stack of a causal LM: ``model.<base_model_prefix>``, else ``model.model``."""
-    for name in (getattr(model, "base_model_prefix", ""), "model"):
-        stack = getattr(model, name, None) if name else None
-        if isinstance(stack, torch.nn.Module) and stack is not model:
+    """The decoder stack of a causal LM: the module holding the decoder layers that its ``forward``
+    calls (``self.model(...)``, OPT's ``self.model.decoder(...)``), else ``model.<base_model_prefix>``."""
+    prefix = getattr(model, "base_model_prefix", "") or "model"
+    for path in (*_called_submodules(type(model)), prefix, "model"):
+        stack = model
+        for name in path.split("."):
+            stack = getattr(stack, name, None)
+        if isinstance(stack, torch.nn.Module) and stack is not model and decoder_layers(stack) is not None:
             return stack
+    return None
+
+
+@functools.cache
+def _called_submodules(cls: type) -> tuple[str, ...]:
+    """Dotted attribute paths ``a.b`` of every ``self.a.b(...)`` call in ``cls.forward``, in source order."""
+    tree = _forward_tree(cls)
+    paths = []
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call):
+            chain, target = [], node.func
+            while isinstance(target, ast.Attribute):
+                chain.append(target.attr)
+                target = target.value
+            if isinstance(target, ast.Name) and target.id == "self" and chain:
+                paths.append((node.lineno, node.col_offset, ".".join(reversed(chain))))
+    return tuple(path for *_, path in sorted(paths))
+
+
+def decoder_layers(stack: torch.nn.Module | None) -> torch.nn.ModuleList | None:
+    """The decoder stack's list of layers: its ``ModuleList`` of ``GradientCheckpointingLayer`` (``layers``,
+    GPT-2's ``h``, OPT's ``decoder.layers``...)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if stack is None:
+        return None
+    for module in stack.modules():
+        if (isinstance(module, torch.nn.ModuleList) and len(module)
+                and all(isinstance(m, GradientCheckpointingLayer) for m in module)):
+            return module
     return None
 
 
@@ -127,15 +167,20 @@ def describe(model: torch.nn.Module) -> Architecture:
 
     if not isinstance(model, PreTrainedModel):
         raise refuse("not a Transformers PreTrainedModel", "Pass the causal LM (AutoModelForCausalLM).")
-    if getattr(config, "is_encoder_decoder", False):
-        raise refuse("encoder-decoder models are not supported (the split serves one causal decoder stack)")
+    if getattr(config, "is_encoder_decoder", False) or model_type in _seq2seq_model_types():
+        raise refuse("encoder-decoder models (and their decoders, which attend to encoder states) are not "
+                     "supported; the split serves decoder-only causal LMs")
     if name not in causal_lm_class_names():
         raise refuse("not a causal language model", "Load it with AutoModelForCausalLM.")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if text_config is not config:
+        raise refuse("a composite (multimodal) model; its text decoder alone can be sequence-parallel",
+                     "Load the text model with AutoModelForCausalLM.")
     decoder = decoder_stack(model)
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(decoder, PreTrainedModel) or not isinstance(layers, torch.nn.ModuleList):
-        raise refuse("no decoder stack with a `layers` list (composite and multimodal models are not "
-                     "supported)", "Load the text model with AutoModelForCausalLM.")
+    layers = decoder_layers(decoder)
+    if not isinstance(decoder, PreTrainedModel) or layers is None:
+        raise refuse("no decoder stack with a list of decoder layers (composite and multimodal models are "
+                     "not supported)", "Load the text model with AutoModelForCausalLM.")
     kinds = _layer_kinds(config, refuse)
     if not type(model)._supports_attention_backend:
         raise refuse("its attention does not go through Transformers' AttentionInterface")
@@ -160,7 +205,7 @@ def _layer_kinds(config, refuse) -> tuple[str, ...]:
     kinds = tuple(getattr(config, "layer_types", None) or ())
     other = [k for k in dict.fromkeys(kinds) if k not in ATTENTION_KINDS]
     if other:
-        where = "; ".join(f"{k!r}: layers {[i for i, x in enumerate(kinds) if x == k]}" for k in other)
+        where = ", ".join(f"{kinds.count(k)} of {len(kinds)} {k!r}" for k in other)
         what = ", ".join(OTHER_KINDS.get(k, k) for k in other)
         raise refuse(f"{what} layers ({where}); only full, sliding-window and chunked attention layers are "
                      "split exactly (linear-attention and state-space hybrids are not supported)")
@@ -181,12 +226,27 @@ def _attention_modules(layers: torch.nn.ModuleList, refuse) -> list[torch.nn.Mod
         if convolutions:
             raise refuse(f"decoder layer {i} has a sequence convolution ({convolutions[0]}: a "
                          "short-convolution or state-space mixer) that the split cannot run exactly")
+        for name, child in layer.named_children():
+            if any(m in attention for m in child.modules()) and not _passes_keywords(type(layer), name):
+                raise refuse(f"{type(layer).__name__}.forward calls self.{name}(...) without its keyword "
+                             "arguments, so the sequence-parallel context cannot reach the attention")
         bidirectional = [type(m).__name__ for m in attention if getattr(m, "is_causal", True) is False]
         if bidirectional:
             raise refuse(f"bidirectional attention ({bidirectional[0]}.is_causal is False); only causal "
                          "decoders are supported")
         found += attention
     return found
+
+
+@functools.cache
+def _passes_keywords(cls: type, attribute: str) -> bool:
+    """Whether every ``self.<attribute>(...)`` call in ``cls.forward`` passes ``**kwargs`` on (True when
+    the source shows no such call: the run-time check then decides)."""
+    tree = _forward_tree(cls)
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Attribute) and node.func.attr == attribute
+             and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"] if tree else []
+    return all(any(k.arg is None for k in call.keywords) for call in calls)
 
 
 def _features(model, config, kinds, attention, head: str, refuse) -> tuple[str, ...]:

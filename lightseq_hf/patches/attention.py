@@ -102,6 +102,10 @@ def lightseq_attention(
         )
     if context.reference_attention is not None:  # under state.unsharded()
         return context.reference_attention(module, query, key, value, scaling, **kwargs), None
+    if attention_mask is not None:  # Transformers builds no mask for this implementation: the model made it
+        raise ValueError(f"{context.model_type}: {type(module).__name__} passes an attention mask of its "
+                         "own (a dynamic or learned mask), which lightseq_hf's distributed attention does "
+                         "not apply.")
     is_causal = kwargs.pop("is_causal", None)
     if is_causal is False or getattr(module, "is_causal", True) is False:
         raise ValueError(f"{context.model_type}: {type(module).__name__} asked for bidirectional attention; "

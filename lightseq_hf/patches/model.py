@@ -11,8 +11,8 @@ Patching a causal LM sets three things, on its classes (every instance of them) 
   :mod:`lightseq_hf.checkpoint`'s rematerialization-aware policy (``checkpointing="remat"``).
 
 Which classes those are is read from the model (:mod:`.architectures`). Called before any model
-exists, :func:`patch` patches every causal LM class when its first instance is built (a model
-the patch refuses then fails to build, with the reason).
+exists, :func:`patch` patches every causal LM class when its first instance is built (a model the
+patch refuses stays unpatched, with the reason logged; :func:`patch` on it raises).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ..kernels import BACKENDS
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
-from .forward import make_causal_lm_forward, make_decoder_forward
+from .forward import make_causal_lm_forward, make_decoder_forward, warn_once
 from .state import ATTN_IMPLEMENTATION, PatchSettings
 from .tiled_mlp import apply_tiled_mlp, check_tiled_mlp, remove_tiled_mlp
 
@@ -197,7 +197,11 @@ def _make_post_init(original):
     def post_init(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if is_causal_lm(self) and state.current_settings() is not None:
-            arch = describe(self)  # raises for a causal LM the patch cannot run exactly
+            try:
+                arch = describe(self)
+            except UnsupportedModel as refused:  # it stays unpatched: each rank runs it whole
+                warn_once(f"refused {type(self).__name__}", f"{refused} It runs unpatched (whole sequences).")
+                return
             _patch_classes(arch)
             for member in _members(self):
                 member.__dict__["_lightseq_arch"] = arch

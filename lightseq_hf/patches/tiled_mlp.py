@@ -107,13 +107,9 @@ class _NoCtx:
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder layers of a causal LM or of its decoder stack (empty if it has none)."""
-    from .architectures import decoder_stack
+    from .architectures import decoder_layers, decoder_stack
 
-    for candidate in (decoder_stack(model), model):
-        layers = getattr(candidate, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-    return torch.nn.ModuleList()
+    return decoder_layers(decoder_stack(model) or model) or torch.nn.ModuleList()
 
 
 def _recorded_classes(model: torch.nn.Module) -> tuple[type, ...]:

@@ -1,0 +1,126 @@
+"""The README's table of supported and refused model types: what each row says, rendered and parsed.
+
+A row is one causal-LM model type of Transformers: ``works`` (the worst relative errors of the
+architecture test on 2 and 3 processes, or of the survey on 2 processes for the types the test does not
+run), ``refused`` (the message :func:`lightseq_hf.patch` gives), or ``not run`` (accepted by the
+patch's checks, no tiny model of it ran). ``scripts/support_table.py`` measures and rewrites the table
+(and ``results/architectures.json``, its data); ``tests/test_architectures.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RESULTS = ROOT / "results" / "architectures.json"
+START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
+COLUMNS = ("model type", "status", "parity", "memory options")
+
+
+def describe_meta(model_type: str, overrides: dict | None = None, *, tiny: bool = True):
+    """``(architecture, None)`` or ``(None, refusal message)`` of a model built on the meta device."""
+    from tiny_models import causal_lm_class, make_tiny
+
+    from lightseq_hf.patches import UnsupportedModel, describe
+
+    with torch.device("meta"):
+        if tiny:
+            model = make_tiny(model_type, **(overrides or {}))
+        else:
+            import transformers
+
+            model = causal_lm_class(model_type)(transformers.CONFIG_MAPPING[model_type]())
+    try:
+        return describe(model), None, model
+    except UnsupportedModel as refused:
+        return None, str(refused), model
+
+
+def refusal_message(model_type: str, overrides: dict | None = None) -> str:
+    """The refusal without its ``lightseq_hf cannot patch X (model_type 'y'):`` prefix."""
+    _, message, _ = describe_meta(model_type, overrides)
+    return short_message(message)
+
+
+def short_message(message: str) -> str:
+    return message.split("): ", 1)[1] if "): " in message else message
+
+
+def memory_options(model) -> str:
+    """What the memory options do for this model (as ``lightseq_hf.patch`` applies them)."""
+    from lightseq_hf.patches import describe
+    from lightseq_hf.patches.tiled_mlp import layer_mlps
+
+    dense, other = layer_mlps(model)
+    tiled = ("tiled MLP" if dense and not other else "tiled MLP (dense layers; MoE untiled)" if dense
+             else "MoE: no tiled MLP")
+    loss = "fused loss" if describe(model).fused_head else "model's head on the slice"
+    return f"remat checkpointing, offload, {tiled}, {loss}"
+
+
+def expected_row(model_type: str, overrides: dict | None = None) -> dict:
+    arch, message, model = describe_meta(model_type, overrides)
+    if arch is None:
+        return {"model type": model_type, "status": "refused", "parity": short_message(message),
+                "memory options": "-"}
+    return {"model type": model_type, "status": "works", "memory options": memory_options(model)}
+
+
+def format_numbers(numbers: dict, dtype: str, source: str) -> str:
+    parts = [f"{name} {numbers[key]:.1e}" for key, name in (("loss", "loss"), ("grad", "gradients"),
+                                                           ("aux", "aux loss")) if key in numbers]
+    return f"{', '.join(parts)} ({dtype}, {source})"
+
+
+INTRO = """\
+`lightseq_hf.patch(model)` serves every decoder-only causal LM of Transformers whose layers attend
+through Transformers' `AttentionInterface` with full, sliding-window or chunked causal attention; it
+finds the decoder stack, the layers and the head from the model itself. Anything else is refused when
+the model is patched, with the feature and the model type named. Every causal-LM model type of
+Transformers {transformers} is below: `works` with the worst relative errors against the unpatched
+model on one process (loss, router aux loss, every parameter's gradient) measured by
+`tests/test_architectures.py` on 2 and 3 CPU processes (or by its survey on 2, for the types the test
+does not run), `refused` with the message, `not run` when the patch accepts it but no tiny model of
+it ran. Regenerate with `python scripts/support_table.py --survey` (data: `results/architectures.json`).
+"""
+
+
+def render(rows: list[dict], transformers_version: str) -> str:
+    lines = [INTRO.format(transformers=transformers_version), "| " + " | ".join(COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = [f"`{row['model type']}`", row["status"], row["parity"], row["memory options"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+_NUMBER = re.compile(r"(loss|gradients|aux loss) ([0-9.e+-]+)")
+
+
+def parse_rows(readme: str) -> list[dict]:
+    """The rows of the table between the markers (``numbers``: what the parity cell states)."""
+    if START not in readme or END not in readme:
+        raise ValueError(f"README has no support table between {START} and {END}.")
+    body = readme.split(START, 1)[1].split(END, 1)[0]
+    rows = []
+    for line in [line for line in body.splitlines() if line.startswith("|")][2:]:
+        cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        row = dict(zip(COLUMNS, cells))
+        row["model type"] = row["model type"].strip("`")
+        row["numbers"] = {name: float(value) for name, value in _NUMBER.findall(row["parity"])}
+        rows.append(row)
+    return rows
+
+
+def replace_table(readme: str, table: str) -> str:
+    head, rest = readme.split(START, 1)
+    return head + START + "\n" + table + "\n" + END + rest.split(END, 1)[1]
+
+
+def load_results() -> dict:
+    return json.loads(RESULTS.read_text()) if RESULTS.exists() else {}

