@@ -48,8 +48,8 @@ ADJUST = {
                                 intermediate_size_mlp=64)),
     "phi3": (set(), dict(partial_rotary_factor=0.5)),
     "lfm2": (set(), dict(layer_types=["conv", "full_attention", "conv"])),
-    "minicpm3": ({"head_dim"}, dict(num_key_value_heads=6, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8,
-                                    kv_lora_rank=16, q_lora_rank=24)),
+    "minicpm3": ({"head_dim"}, dict(num_key_value_heads=6, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                    v_head_dim=8, kv_lora_rank=16, q_lora_rank=24)),
     "gemma4_text": (set(), dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8)),
     "olmo2": (set(), {}),
 }

@@ -4,8 +4,8 @@ It receives the projected, rotated q/k/v of this rank's slice and runs
 :func:`lightseq_hf.dist_flash_attn` over the sequence-parallel group, per layer:
 
 * the layer's kind (``config.layer_types``): full causal; sliding-window (the ``sliding_window`` the
-  model passes, else ``config.sliding_window``); chunked (Llama 4: documents of
-  ``config.attention_chunk_size`` tokens intersected with the packed documents);
+  model passes, else ``config.sliding_window``); chunked (Llama 4: each document cut into chunks of
+  ``config.attention_chunk_size`` tokens, as further documents);
 * attention sinks (gpt-oss ``s_aux``): a learned per-head logit in the softmax denominator, applied
   after the merge from the log-sum-exp: ``out * sigmoid(lse - sink)`` (gradients reach the sink
   and, through the lse, q and k);
@@ -54,27 +54,15 @@ class SequenceParallelContext:
     reference_attention: Callable | None = None  # set under state.unsharded(): replaces the distributed one
 
 
-def chunked_documents(segments: Segments | None, attention_mask: torch.Tensor | None, batch: int, seq: int,
-                      padded_len: int, chunk: int) -> Segments:
-    """The documents of the rows cut into attention chunks of ``chunk`` tokens.
-
-    Chunks count from each row's first real token (Transformers' chunked mask offsets them by the
-    left padding), and a chunk never crosses a document: the intersection of both partitions.
-    """
+def chunked_documents(segments: Segments | None, batch: int, seq: int, padded_len: int,
+                      chunk: int) -> Segments:
+    """The documents of the rows cut into attention chunks of ``chunk`` tokens, counted from each
+    document's first token (a packed document is chunked as if it were alone; a left-padded row from its
+    first real token, as Transformers' chunked mask does)."""
     docs = segments.docs if segments is not None else tuple(((0, seq),) for _ in range(batch))
-    rows = []
-    for r, row in enumerate(docs):
-        offset = int((attention_mask[r] == 0).long().cumprod(0).sum()) if attention_mask is not None else 0
-        cut = []
-        for start, stop in row:
-            edge = start
-            first = offset + ((start - offset) // chunk + 1) * chunk  # the first chunk boundary after start
-            for boundary in range(first, stop, chunk):
-                cut.append((edge, boundary))
-                edge = boundary
-            cut.append((edge, stop))
-        rows.append(tuple(cut))
-    return Segments(padded_len, tuple(rows))
+    rows = tuple(tuple((a, min(a + chunk, stop)) for start, stop in row for a in range(start, stop, chunk))
+                 for row in docs)
+    return Segments(padded_len, rows)
 
 
 def lightseq_attention(

@@ -152,8 +152,7 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
                          attention_mask=attention_mask, model=model)
     chunked = None
     if "chunked_attention" in layer_kinds:
-        chunked = chunked_documents(segments, attention_mask, batch, seq, shard.padded_len,
-                                    model.config.attention_chunk_size)
+        chunked = chunked_documents(segments, batch, seq, shard.padded_len, model.config.attention_chunk_size)
     pad_id = getattr(model.config, "pad_token_id", None) or 0
     if segments is not None and position_ids is not None:  # packed: positions restart per document
         local_pos = take_shard(position_ids.reshape(-1, seq).expand(batch, seq), shard)
