@@ -181,7 +181,7 @@ def describe(model: torch.nn.Module) -> Architecture:
     if not isinstance(decoder, PreTrainedModel) or layers is None:
         raise refuse("no decoder stack with a list of decoder layers (composite and multimodal models are "
                      "not supported)", "Load the text model with AutoModelForCausalLM.")
-    kinds = _layer_kinds(config, refuse)
+    kinds = _layer_kinds(config, decoder, len(layers), refuse)
     if not type(model)._supports_attention_backend:
         raise refuse("its attention does not go through Transformers' AttentionInterface")
     attention = _attention_modules(layers, refuse)
@@ -200,9 +200,15 @@ def describe(model: torch.nn.Module) -> Architecture:
     )
 
 
-def _layer_kinds(config, refuse) -> tuple[str, ...]:
-    """``config.layer_types`` (empty without: each attention then passes its own ``sliding_window``)."""
+def _layer_kinds(config, decoder: torch.nn.Module, num_layers: int, refuse) -> tuple[str, ...]:
+    """``config.layer_types``; without it, every layer is sliding-window when the decoder stack builds
+    Transformers' sliding-window mask from ``config.sliding_window`` (Mistral, Phi-3, PhiMoE...), else
+    empty (each attention passes its own ``sliding_window``, if any)."""
     kinds = tuple(getattr(config, "layer_types", None) or ())
+    window = getattr(config, "sliding_window", None)
+    if (not kinds and window and getattr(config, "use_sliding_window", True) is not False
+            and "create_sliding_window_causal_mask" in _source(type(decoder).forward)):
+        kinds = ("sliding_attention",) * num_layers
     other = [k for k in dict.fromkeys(kinds) if k not in ATTENTION_KINDS]
     if other:
         where = ", ".join(f"{kinds.count(k)} of {len(kinds)} {k!r}" for k in other)
@@ -294,7 +300,8 @@ def _features(model, config, kinds, attention, head: str, refuse) -> tuple[str, 
 def head_extras(model: torch.nn.Module) -> str | None:
     """The statements of the causal LM's ``forward`` that change the logits after its head, as source.
 
-    ``""``: the head is ``logits = self.<output embeddings>(hidden_states[:, slice_indices, :])`` alone
+    ``""``: the head is ``logits = self.<output embeddings>(hidden_states[:, slice_indices, :])`` (or of a
+    name assigned that slice) alone
     (an ``if self.config.<x> is not None:`` block whose ``x`` is None does not count), so the fused
     loss reproduces it; a non-empty string: keep the model's own head; ``None``: the forward does
     not compute its loss through ``self.loss_function``.
@@ -307,9 +314,14 @@ def head_extras(model: torch.nn.Module) -> str | None:
     if "logits_to_keep" not in inspect.signature(type(model).forward).parameters:
         return "no logits_to_keep argument"
     body = tree.body
-    start = next((i for i, stmt in enumerate(body) if _is_head_call(stmt, model)), None)
+    sliced = set()
+    for stmt in body:  # ``hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)``
+        if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+                and _keeps_logits(stmt.value)):
+            sliced.add(stmt.targets[0].id)
+    start = next((i for i, stmt in enumerate(body) if _is_head_call(stmt, model, sliced)), None)
     if start is None:
-        return "no `logits = self.<head>(hidden_states[:, slice_indices, :])`"
+        return "no `logits = self.<head>(<the rows logits_to_keep selects>)`"
     extras = []
     for stmt in body[start + 1:]:
         names = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
@@ -329,7 +341,7 @@ def _forward_tree(cls: type) -> ast.FunctionDef | None:
     return node if isinstance(node, ast.FunctionDef) else None
 
 
-def _is_head_call(stmt: ast.stmt, model: torch.nn.Module) -> bool:
+def _is_head_call(stmt: ast.stmt, model: torch.nn.Module, sliced: set[str]) -> bool:
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
             and stmt.targets[0].id == "logits" and isinstance(stmt.value, ast.Call)):
         return False
@@ -339,7 +351,14 @@ def _is_head_call(stmt: ast.stmt, model: torch.nn.Module) -> bool:
     head = getattr(model, func.attr, None)
     args = stmt.value.args
     return (head is not None and head is model.get_output_embeddings() and len(args) == 1
-            and isinstance(args[0], ast.Subscript) and "slice_indices" in ast.unparse(args[0]))
+            and (_keeps_logits(args[0]) or (isinstance(args[0], ast.Name) and args[0].id in sliced)))
+
+
+def _keeps_logits(node: ast.expr) -> bool:
+    """``x[:, slice_indices, :]`` or ``slice_logits_to_keep(x, logits_to_keep)``: the head's rows."""
+    source = ast.unparse(node)
+    return ((isinstance(node, ast.Subscript) and "slice_indices" in source)
+            or (isinstance(node, ast.Call) and source.startswith("slice_logits_to_keep(")))
 
 
 def _skipped(stmt: ast.stmt, model: torch.nn.Module) -> bool:

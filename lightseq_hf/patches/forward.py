@@ -199,8 +199,7 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     split = split_batch(model, settings, inputs["input_ids"], inputs["inputs_embeds"],
                         inputs["attention_mask"], inputs["position_ids"], kwargs, shifted_labels=shifted,
                         layer_kinds=arch.layer_kinds)
-    training_loss = shifted is not None and model.training
-    mode = ("fused" if arch.fused_head else "shard") if training_loss else layout
+    mode = ("fused" if arch.fused_head else "shard") if shifted is not None else layout
     pending = PendingSplit(split, gather=mode == "full")
     if mode == "full":  # the model's own head and loss on the whole sequence, as unpatched
         given_labels = labels
@@ -227,13 +226,35 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     if loss_function is not None and len(pending.loss_calls) != 1:
         raise RuntimeError(f"{type(model).__name__}.forward called its loss_function "
                            f"{len(pending.loss_calls)} times; lightseq_hf expects one call.")
-    if mode == "fused" or training_loss:
-        out.logits = None
-    elif mode == "shard":
-        out.logits = out.logits[:, :split.shard.real_end - split.shard.start]
+    out.logits = _logits(model, mode, layout, keep, pending, out.logits) if not (
+        shifted is not None and model.training) else None
     if mode != "full" and layout == "full" and getattr(out, "hidden_states", None) is not None:
         out.hidden_states = tuple(gather_sequence(h, split.group, split.shard) for h in out.hidden_states)
     return out
+
+
+def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: torch.Tensor | None):
+    """The logits to return: of the whole sequence (``layout="full"``, ``keep`` applied) or of this
+    rank's slice, whichever way the forward ran."""
+    split = pending.split
+    shard = split.shard
+    if mode == "full":
+        return logits
+    if mode == "fused":  # the head ran on no row; run it now (eval with labels)
+        hidden = pending.hidden
+        head = model.get_output_embeddings()
+        if layout == "shard":
+            return head(hidden[:, :shard.real_end - shard.start])
+        return head(_keep_logits(gather_sequence(hidden, split.group, shard), keep))
+    if layout == "shard":
+        return logits[:, :shard.real_end - shard.start]
+    return _keep_logits(gather_sequence(logits, split.group, shard), keep)
+
+
+def _keep_logits(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    if isinstance(keep, int):
+        return hidden[:, -keep:] if keep > 0 else hidden
+    return hidden[:, keep]
 
 
 def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):

@@ -125,16 +125,16 @@ def _recorded_classes(model: torch.nn.Module) -> tuple[type, ...]:
 
 
 def _is_dense(module: torch.nn.Module, recorded: tuple[type, ...]) -> bool:
-    """Every parameter belongs to a linear layer (so tokens are independent), and no router inside."""
-    linear = False
+    """Two or more linear layers hold every parameter (so tokens are independent), and no router inside."""
+    linear = 0
     for sub in module.modules():
         if recorded and isinstance(sub, recorded):
             return False
         if isinstance(sub, torch.nn.Linear):
-            linear = True
+            linear += 1
         elif any(True for _ in sub.parameters(recurse=False)):
             return False
-    return linear
+    return linear >= 2
 
 
 def layer_mlps(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[str]]:
@@ -147,8 +147,9 @@ def layer_mlps(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[str]
     for i, layer in enumerate(_decoder_layers(model)):
         for name, child in layer.named_children():
             attention = any(uses_attention_interface(type(m)) for m in child.modules())
-            if attention or "norm" in name.lower() or not any(True for _ in child.parameters()):
-                continue
+            if (attention or "norm" in name.lower() or isinstance(child, torch.nn.Linear)
+                    or not any(True for _ in child.parameters())):
+                continue  # attention, norms, bare projections (an MLP without a module of its own)
             if _is_dense(child, recorded):
                 dense.append(child)
             else:
