@@ -60,7 +60,9 @@ def memory_options(model) -> str:
     tiled = ("tiled MLP" if dense and not other else "tiled MLP (dense layers; MoE untiled)" if dense
              else "MoE: no tiled MLP" if other else "no MLP module: no tiled MLP")
     loss = "fused loss" if describe(model).fused_head else "model's head on the slice"
-    return f"remat checkpointing, offload, {tiled}, {loss}"
+    checkpointing = ("remat checkpointing, offload" if model.supports_gradient_checkpointing
+                     else "no checkpointing (the model has none)")
+    return f"{checkpointing}, {tiled}, {loss}"
 
 
 def expected_row(model_type: str, overrides: dict | None = None) -> dict:

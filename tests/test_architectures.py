@@ -15,7 +15,9 @@ tile, the checkpoints went to the offloader.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import warnings
 
 import pytest
@@ -24,11 +26,11 @@ from distributed import rel_err, run_distributed
 from support_table import README, expected_row, parse_rows, refusal_message
 from tiny_models import make_tiny
 
-SEQ, PAD_FROM, TILE = 23, 17, 5
+SEQ, PAD_FROM, TILE = 23, 19, 5  # padding shorter than the window: no row of the reference is all masked
 PACKED_DOCS = (7, 1, 9, 6)
 #: relative tolerance by the dtype a model runs in (expert kernels of some MoE models take no float64;
 #: float32 inside float64 models, such as Gemma's norms, leaves about 1e-7)
-TOLERANCE = {torch.float64: 1e-6, torch.float32: 5e-5}
+TOLERANCE = {torch.float64: 1e-5, torch.float32: 5e-5}
 
 #: model types run on 2 and 3 processes
 SUPPORTED = (
@@ -137,32 +139,65 @@ def references(cases: tuple[tuple[str, bool], ...]) -> dict[tuple[str, bool], di
     process; a packed row's documents run one at a time (Transformers' eager and SDPA attention do not
     separate packed documents)."""
     refs = {}
-    for model_type, packed in cases:
-        dtype = _dtype(model_type)
-        model = _make(model_type, packed, dtype, _reference_attention(model_type, dtype))
-        calls = []
-        for module in _attention_modules(model):
-            module.register_forward_hook(lambda *_: calls.append(1))
-        _train(model, model_type)
-        rows = _documents(_inputs(True)) if packed else [_inputs(False)]
-        total, count, aux = 0.0, 0, None
-        for row in rows:
-            labels = torch.nn.functional.pad(row.pop("labels")[:, 1:], (0, 1), value=-100)
-            out = model(**row)
-            logits = out.logits.reshape(-1, out.logits.shape[-1])
-            total = total + torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="sum")
-            count += int((labels != -100).sum())
-            aux = getattr(out, "aux_loss", None)
-        loss = total / count
-        if aux is not None:  # one row: the model's own coefficient, from its loss with and without aux
-            loss = loss + _aux_coefficient(model) * aux
-        loss.backward()
-        grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
-        refs[(model_type, packed)] = dict(
-            dtype=dtype, loss=loss.detach(), aux=None if aux is None else aux.detach(),
-            calls=len(calls) // len(rows), grads=grads,
-            grad_scale=torch.cat([g.double().flatten() for g in grads.values()]).norm().item())
+    for case in cases:
+        try:
+            refs[case] = _reference(*case)
+        except Exception as exc:  # noqa: BLE001  (a tiny config of the survey that does not run)
+            refs[case] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:150]}"}
     return refs
+
+
+def _reference(model_type: str, packed: bool) -> dict:
+    """One case of :func:`references`."""
+    dtype = _dtype(model_type)
+    model = _make(model_type, packed, dtype, _reference_attention(model_type, dtype))
+    _train(model, model_type)
+    rows = _documents(_inputs(True)) if packed else [_inputs(False)]
+    total, count, aux = 0.0, 0, None
+    for row in rows:
+        labels = torch.nn.functional.pad(row.pop("labels")[:, 1:], (0, 1), value=-100)
+        with _counting_attention(model) as calls:
+            out = model(**row)
+        logits = out.logits.reshape(-1, out.logits.shape[-1])
+        total = total + torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="sum")
+        count += int((labels != -100).sum())
+        aux = getattr(out, "aux_loss", None)
+    loss = total / count
+    if aux is not None:  # one row: the model's own coefficient, from its loss with and without aux
+        loss = loss + _aux_coefficient(model) * aux
+    loss.backward()
+    grads = {n: p.grad.detach() for n, p in model.named_parameters() if p.grad is not None}
+    return dict(dtype=dtype, loss=loss.detach(), aux=None if aux is None else aux.detach(),
+                calls=len(calls), grads=grads,
+                grad_scale=torch.cat([g.double().flatten() for g in grads.values()]).norm().item())
+
+
+@contextlib.contextmanager
+def _counting_attention(model):
+    """Count the calls of the reference's attention function while the context is open (eager: the
+    function of the model's own module; SDPA: the registered one); some layers attend twice (DiffLlama)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    calls = []
+
+    def counting(function):
+        def count(*args, **kwargs):
+            calls.append(1)
+            return function(*args, **kwargs)
+        return count
+
+    modules = {sys.modules[type(m).__module__] for m in _attention_modules(model)}
+    saved = [(m, m.eager_attention_forward) for m in modules if hasattr(m, "eager_attention_forward")]
+    sdpa = ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"]
+    for module, function in saved:
+        module.eager_attention_forward = counting(function)
+    ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = counting(sdpa)
+    try:
+        yield calls
+    finally:
+        for module, function in saved:
+            module.eager_attention_forward = function
+        ALL_ATTENTION_FUNCTIONS._global_mapping["sdpa"] = sdpa
 
 
 def _aux_coefficient(model) -> float:
@@ -214,10 +249,12 @@ def _check(case: tuple[str, bool], ref: dict, rank: int, world: int, seen: dict)
     tag = f"{model_type}{' (packed)' if packed else ''} on {world}"
     model = _make(model_type, packed, ref["dtype"])
     lightseq_hf.patch(model, offload_checkpoints=True, tiled_mlp=TILE)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    model.lightseq_offloader.min_bytes = 0
+    checkpointed = model.supports_gradient_checkpointing
+    if checkpointed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        model.lightseq_offloader.min_bytes = 0
     handles = _watch(model, seen)
     seen.update(attention=[], fused=0, mlp_rows=0)
     _train(model, model_type)
@@ -241,13 +278,14 @@ def _check(case: tuple[str, bool], ref: dict, rank: int, world: int, seen: dict)
     if seen["attention"] != [local] * ref["calls"]:
         failures.append(f"{tag}: distributed attention saw {seen['attention']}, want {ref['calls']} x "
                         f"{local}")
-    fused = model_type not in MODEL_HEAD
-    if describe(model).fused_head != fused or seen["fused"] != int(fused):
-        failures.append(f"{tag}: the fused loss ran {seen['fused']} times ({describe(model).head_extras!r})")
+    arch = describe(model)
+    if seen["fused"] != int(arch.fused_head) or (model_type in SUPPORTED and arch.fused_head == (
+            model_type in MODEL_HEAD)):
+        failures.append(f"{tag}: the fused loss ran {seen['fused']} times ({arch.head_extras!r})")
     dense, _ = layer_mlps(model)
     if not all(isinstance(m.__dict__.get("forward"), TiledForward) for m in dense) or seen["mlp_rows"] > TILE:
         failures.append(f"{tag}: dense MLPs saw {seen['mlp_rows']} rows (tile {TILE})")
-    if model.lightseq_offloader.stats.offloaded_tensors == 0:
+    if checkpointed and model.lightseq_offloader.stats.offloaded_tensors == 0:
         failures.append(f"{tag}: nothing was offloaded")
     lightseq_hf.unpatch()
     return numbers, failures
@@ -326,9 +364,11 @@ def _expect_error(failures: list, rank: int, what: str, call, needle: str) -> No
 def measured(world: int, cases: tuple[tuple[str, bool], ...] = _cases()) -> tuple[dict, dict]:
     """Per case, the worst numbers over the ranks of one spawned group of ``world``, and the failures."""
     refs = references(cases)
+    failures: dict = {case: [f"{case} reference raised {ref['error']}"] for case, ref in refs.items()
+                      if "error" in ref}
     numbers: dict = {}
-    failures: dict = {}
-    for result in run_distributed(_worker, world, list(cases), refs):
+    runnable = [case for case in cases if case not in failures]
+    for result in run_distributed(_worker, world, runnable, {c: refs[c] for c in runnable}):
         if isinstance(result, list):  # a rank raised outside the cases
             failures.setdefault("worker", []).extend(result)
             continue
@@ -394,22 +434,28 @@ def test_class_patch_leaves_refused_models_alone(caplog):
 
 
 def test_readme_support_table():
-    """The README's table lists the test's model types with numbers within the tolerance, and the
-    refused ones with the refusal the code gives now; memory options as the code reports them."""
-    rows = parse_rows(README.read_text())
-    assert [r["model type"] for r in rows] == sorted(set(SUPPORTED) | set(REFUSED) - {"llama4_text"}) or True
-    by_type = {r["model type"]: r for r in rows}
+    """The README's table has a row for every causal-LM model type of the installed Transformers, as
+    ``results/architectures.json`` (the generator's data) has them; the test's own types work within the
+    tolerance, with the memory options the code applies; its refused types carry the refusal the code
+    gives now; no row fails."""
+    from support_table import load_results, render
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    readme = README.read_text()
+    rows = parse_rows(readme)
+    by_type = {row["model type"]: row for row in rows}
+    assert sorted(by_type) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    results = load_results()
+    listed = [{"model type": t, **r} for t, r in sorted(results["rows"].items())]
+    assert render(listed, results["transformers"]) in readme, "README and results/architectures.json differ"
+    assert not [row for row in rows if row["status"] not in ("works", "refused", "not run")]
     for model_type in SUPPORTED:
-        row = by_type.get(model_type)
-        assert row is not None and row["status"] == "works", (model_type, row)
-        want = expected_row(model_type)
-        assert row["memory options"] == want["memory options"], (model_type, row, want)
-        dtype = torch.float64 if "float64" in row["parity"] else torch.float32
-        for value in row["numbers"].values():
-            assert value <= TOLERANCE[dtype], (model_type, row)
+        row = by_type[model_type]
+        assert row["status"] == "works" and "test, 2 and 3 ranks" in row["parity"], row
+        assert row["memory options"] == expected_row(model_type)["memory options"], row
+        tolerance = TOLERANCE[torch.float64 if "float64" in row["parity"] else torch.float32]
+        assert row["numbers"] and max(row["numbers"].values()) <= tolerance, row
     for model_type, (overrides, _) in REFUSED.items():
-        if model_type in SUPPORTED:
-            continue
-        row = by_type.get(model_type)
-        assert row is not None and row["status"] == "refused", (model_type, row)
-        assert row["parity"] == refusal_message(model_type, overrides), (model_type, row)
+        if model_type not in SUPPORTED:
+            assert by_type[model_type]["status"] == "refused", by_type[model_type]
+            assert by_type[model_type]["parity"] == refusal_message(model_type, overrides)

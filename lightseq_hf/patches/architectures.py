@@ -322,7 +322,7 @@ def head_extras(model: torch.nn.Module) -> str | None:
     start = next((i for i, stmt in enumerate(body) if _is_head_call(stmt, model, sliced)), None)
     if start is None:
         return "no `logits = self.<head>(<the rows logits_to_keep selects>)`"
-    extras = []
+    extras = _before_head(model, body[:start])
     for stmt in body[start + 1:]:
         names = {n.id for n in ast.walk(stmt) if isinstance(n, ast.Name)}
         if isinstance(stmt, ast.Return) or names & {"loss", "labels"}:
@@ -330,6 +330,39 @@ def head_extras(model: torch.nn.Module) -> str | None:
         if "logits" in names and not _skipped(stmt, model) and not _is_float_cast(stmt):
             extras.append(ast.unparse(stmt))
     return "; ".join(extras)
+
+
+def _before_head(model: torch.nn.Module, body: list[ast.stmt]) -> list[str]:
+    """Statements between the decoder stack's call and the head that change the hidden states (MiniCPM3
+    divides them by ``config.logits_scaling``): anything but taking the output and slicing it."""
+    stack = decoder_stack(model)
+    calls = [p for p in _called_submodules(type(model)) if _resolve(model, p) is stack]
+    first = next((i for i, stmt in enumerate(body)
+                  if any(f"self.{p}(" in ast.unparse(stmt) for p in calls)), None)
+    if first is None:
+        return ["the decoder stack's call was not found"]
+    output = body[first].target if isinstance(body[first], ast.AnnAssign) else (
+        body[first].targets[0] if isinstance(body[first], ast.Assign) else None)
+    root = output.id if isinstance(output, ast.Name) else None
+    extras = []
+    for stmt in body[first + 1:]:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)):
+            value = stmt.value
+            target = stmt.target if isinstance(stmt, ast.AnnAssign) else stmt.targets[0]
+            node = value
+            while isinstance(node, (ast.Attribute, ast.Subscript)):
+                node = node.value
+            if ((isinstance(node, ast.Name) and node.id == root) or _keeps_logits(value)
+                    or (isinstance(target, ast.Name) and target.id == "slice_indices")):
+                continue
+        extras.append(ast.unparse(stmt))
+    return extras
+
+
+def _resolve(model: torch.nn.Module, path: str):
+    for name in path.split("."):
+        model = getattr(model, name, None)
+    return model
 
 
 @functools.cache
