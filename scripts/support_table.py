@@ -44,7 +44,7 @@ def _verdict(model_type: str) -> dict:
             return {"status": "refused", "parity": table.short_message(message), "memory options": "-"}
         size = sum(p.numel() for p in model.parameters())
         return {"status": "not run", "parity": "accepted by the patch; no tiny model of it ran",
-                "memory options": table.memory_options(model), "tiny": tiny and size <= 5_000_000}
+                "memory options": table.memory_options(model), "tiny": tiny and size <= 10_000_000}
     return {"status": "not run", "parity": f"its config does not build ({error})", "memory options": "-"}
 
 

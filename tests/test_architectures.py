@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import warnings
 
@@ -25,6 +26,8 @@ import torch
 from distributed import rel_err, run_distributed
 from support_table import README, expected_row, parse_rows, refusal_message
 from tiny_models import make_tiny
+
+from lightseq_hf.parallel.api import dist_flash_attn
 
 SEQ, PAD_FROM, TILE = 23, 19, 5  # padding shorter than the window: no row of the reference is all masked
 PACKED_DOCS = (7, 1, 9, 6)
@@ -44,7 +47,7 @@ SUPPORTED = (
 SAMPLED_ROUTING = {"phimoe": "PhimoeSparseMoeBlock"}
 #: model types whose head changes the logits (scaling): the model's own head runs on each slice; every
 #: other type takes the fused chunked loss
-MODEL_HEAD = ("granite", "cohere", "cohere2", "granitemoe")
+MODEL_HEAD = ("granite", "cohere", "cohere2", "granitemoe", "gemma2")
 #: model types that also take a packed row (documents from restarting position_ids)
 PACKED = ("gemma3_text", "gpt_oss", "llama4_text", "qwen2")
 #: model type -> (config overrides, what the refusal names besides the model type)
@@ -63,10 +66,16 @@ REFUSED = {
     "bert": ({}, "bidirectional attention"),
     "bloom": ({}, "does not go through Transformers' AttentionInterface"),
     "gemma3": ({}, "composite (multimodal)"),
+    "phi4_multimodal": ({}, "multimodal model (its forward takes image_pixel_values"),
     "deepseek_v32": ({}, "sparse indexed attention"),
-    "gemma2": ({}, "soft-capping"),
     "llama4_text": (dict(attn_temperature_tuning=True, no_rope_layers=[1, 0, 1]), "temperature tuning"),
 }
+
+
+if "softcap" in inspect.signature(dist_flash_attn).parameters:  # attention logit soft-capping in the kernels
+    SUPPORTED += ("gemma2",)
+else:
+    REFUSED["gemma2"] = ({}, "soft-capping")
 
 
 def _inputs(packed: bool) -> dict[str, torch.Tensor]:

@@ -37,6 +37,8 @@ OTHER_KINDS = {
     "mlp": "attention-free (MLP-only)",
     "moe": "attention-free (MoE-only)",
 }
+#: words of the forward arguments of multimodal models (images, audio, cross-attention states)
+MEDIA_WORDS = ("pixel", "image", "audio", "video", "vision", "speech", "cross_attention", "encoder_hidden")
 #: arguments the decoder stack's forward must take (the split passes them)
 DECODER_PARAMS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 
@@ -185,7 +187,13 @@ def describe(model: torch.nn.Module) -> Architecture:
     if not type(model)._supports_attention_backend:
         raise refuse("its attention does not go through Transformers' AttentionInterface")
     attention = _attention_modules(layers, refuse)
-    missing = [p for p in DECODER_PARAMS if p not in inspect.signature(type(decoder).forward).parameters]
+    signature = inspect.signature(type(decoder).forward).parameters
+    media = [p for p in (*signature, *inspect.signature(type(model).forward).parameters)
+             if any(word in p for word in MEDIA_WORDS)]
+    if media:
+        raise refuse(f"a multimodal model (its forward takes {', '.join(dict.fromkeys(media))}); its image, "
+                     "audio or cross-attention inputs cannot be split along the text sequence")
+    missing = [p for p in DECODER_PARAMS if p not in signature]
     if missing:
         raise refuse(f"{type(decoder).__name__}.forward does not take {', '.join(missing)}")
     head = head_extras(model)

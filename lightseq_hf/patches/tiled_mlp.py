@@ -3,15 +3,16 @@
 An MLP of ``tokens x hidden`` input makes ``tokens x intermediate`` activations (gate, up, the
 activation and the product: about 4x the hidden state at Llama's 2.7x expansion), in the forward
 and again in the backward's recompute. :class:`TiledMLPFunction` runs the module on ``tile``
-tokens at a time: the forward without autograd, the backward recomputing each tile's forward and
-differentiating it at once, so at most one tile's intermediate activations are alive. The result
-is the untiled MLP's (token rows are independent); parameter gradients are summed over the tiles
-in float32 (float64 for float64 weights) and cast once.
+tokens at a time (each tile a batch of one sequence): the forward without autograd, the backward
+recomputing each tile's forward and differentiating it at once, so at most one tile's intermediate
+activations are alive. The result is the untiled MLP's (token rows are independent); parameter
+gradients are summed over the tiles in float32 (float64 for float64 weights) and cast once.
 
 The module's own ``forward`` runs per tile, so wrapped projections (PEFT's LoRA layers) work too.
 :func:`apply_tiled_mlp` installs it on a model's dense MLPs (:func:`layer_mlps`: the feed-forward
-module of each decoder layer whose parameters all belong to linear layers); mixture-of-experts
-blocks and other feed-forwards stay untiled, with a logged note. :func:`remove_tiled_mlp` takes it away.
+module of each decoder layer whose parameters all belong to two or more linear layers);
+mixture-of-experts blocks and other feed-forwards stay untiled, with a logged note.
+:func:`remove_tiled_mlp` takes it away.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class TiledMLPFunction(torch.autograd.Function):
         forward = type(module).forward
         out = None
         for start in range(0, flat.shape[0], tile):
-            piece = forward(module, flat[start:start + tile])
+            piece = forward(module, flat[None, start:start + tile])[0]  # (1, tile, hidden): a short sequence
             if out is None:  # written tile by tile: no second full-length copy
                 out = piece.new_empty(flat.shape[0], piece.shape[-1])
             out[start:start + tile] = piece
@@ -65,7 +66,7 @@ class TiledMLPFunction(torch.autograd.Function):
         for start in range(0, flat.shape[0], tile):
             piece = flat[start:start + tile].requires_grad_(need_x)
             with torch.enable_grad(), autocast:
-                out = forward(module, piece)
+                out = forward(module, piece[None])[0]
             inputs = ([piece] if need_x else []) + params
             grads = torch.autograd.grad(out, inputs, grad_flat[start:start + tile], allow_unused=True)
             if need_x:
