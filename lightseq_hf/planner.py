@@ -22,6 +22,11 @@ GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
+_POSITIVE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size")
+_OPTIONAL_KEYS = ("num_key_value_heads", "head_dim")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What the planner needs from a Llama-family config."""
@@ -39,8 +44,17 @@ class ModelShape:
     def from_config(cls, config: Any) -> ModelShape:
         """From a transformers config or a mapping of its entries."""
         get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        for key in _POSITIVE_KEYS:
+            value = get(key)
+            if value is None and key in _OPTIONAL_KEYS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config {key} must be a positive integer; got {value!r}")
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
+        if get("head_dim") is None and hidden % heads:
+            raise ValueError(f"model config hidden_size {hidden} is not divisible by num_attention_heads "
+                             f"{heads}; set head_dim")
         return cls(hidden=hidden, intermediate=get("intermediate_size"), layers=get("num_hidden_layers"),
                    heads=heads, kv_heads=get("num_key_value_heads") or heads,
                    head_dim=get("head_dim") or hidden // heads, vocab=get("vocab_size"),
@@ -109,22 +123,7 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
     q_width = shape.heads * hd
     shards = opts.world if opts.sharding == "fsdp" else 1
     sharded = shape.params * m / shards
-
-    # -- parameters, gradients, optimizer state
-    weights = sharded
-    grads_all = sharded
-    adam = 2 * sharded if opts.optimizer_state else 0
-    foreach_temp = sharded  # AdamW foreach: sqrt(exp_avg_sq) of every parameter at once
-    host: dict[str, float] = {}
-    if opts.cpu_offload:
-        host.update(weights=weights, gradients=grads_all, optimizer_state=2 * sharded,
-                    optimizer_temp=foreach_temp)
-        weights = grads_all = adam = foreach_temp = 0
-    # FSDP unshards a layer (and prefetches the next) in the compute dtype; replicated: nothing extra
-    layer_copy = shape.layer_params * c if opts.sharding == "fsdp" else 0
-    unsharded = 2 * layer_copy + (layer_copy if mixed or opts.sharding == "fsdp" else 0)  # + its gradient
-    if opts.sharding == "fsdp" and mixed:
-        unsharded += shape.layer_params * 4  # float32 reduce-scatter input of that gradient
+    weights, grads_all, adam, foreach_temp, unsharded, host = _state_parts(shape, opts, sharded, c, mixed)
 
     # -- what checkpointing keeps, per layer
     kept_input = n * h * c
@@ -184,6 +183,26 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
     return MemoryPlan(peak_gpu=int(sum(parts.values())), peak_host=int(sum(host.values())), moment=name,
                       moments={k: int(sum(v.values())) for k, v in moments.items()},
                       gpu={k: int(v) for k, v in parts.items()}, host={k: int(v) for k, v in host.items()})
+
+
+def _state_parts(shape: ModelShape, opts: PlanOptions, sharded: float, c: int,
+                 mixed: bool) -> tuple[float, float, float, float, float, dict[str, float]]:
+    """Device bytes of the weights, gradients, AdamW state, its foreach temporary and the unsharded
+    layer copies; and what CPU offload puts in host memory instead."""
+    weights = grads_all = sharded
+    adam = 2 * sharded if opts.optimizer_state else 0
+    foreach_temp = sharded  # AdamW foreach: sqrt(exp_avg_sq) of every parameter at once
+    host: dict[str, float] = {}
+    if opts.cpu_offload:
+        host.update(weights=weights, gradients=grads_all, optimizer_state=2 * sharded,
+                    optimizer_temp=foreach_temp)
+        weights = grads_all = adam = foreach_temp = 0
+    # FSDP unshards a layer (and prefetches the next) in the compute dtype; replicated: nothing extra
+    layer_copy = shape.layer_params * c if opts.sharding == "fsdp" else 0
+    unsharded = 2 * layer_copy + (layer_copy if mixed or opts.sharding == "fsdp" else 0)  # + its gradient
+    if opts.sharding == "fsdp" and mixed:
+        unsharded += shape.layer_params * 4  # float32 reduce-scatter input of that gradient
+    return weights, grads_all, adam, foreach_temp, unsharded, host
 
 
 def offloaded_layers(shape: ModelShape, opts: PlanOptions) -> int:

@@ -1,7 +1,7 @@
-"""Sequence-parallel fine-tuning from a YAML config.
+"""Sequence-parallel fine-tuning from a YAML config (the ``lightseq-finetune`` command).
 
-    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml scripts/finetune.py configs/tiny.yaml \\
-        training.max_steps=20 output_dir=runs/try
+    python scripts/finetune.py --nproc 2 configs/tiny.yaml training.max_steps=20 output_dir=runs/try
+    accelerate launch --config_file configs/accelerate/cpu-2proc.yaml scripts/finetune.py configs/tiny.yaml
 """
 
 import sys
@@ -12,7 +12,7 @@ try:
 except ImportError:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightseq_hf.training.cli import main  # noqa: E402
+from lightseq_hf.training.cli import run  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -48,6 +49,13 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
         except Exception:
             pass
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    # End without interpreter finalization (as lightseq_hf.training.cli.run does for its workers): gloo's
+    # worker threads can outlive destroy_process_group while a group is still referenced, and one that
+    # needs the GIL during finalization is ended by pthread_exit, whose unwind through a noexcept frame
+    # aborts the process ("terminate called without an active exception") after correct results.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> list:
@@ -59,13 +67,14 @@ def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> l
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (0 when both are zero); -inf entries must match."""
+def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||x - ref|| / max(||ref||, floor) in float64 (0 when both are zero); -inf entries must match, a NaN
+    fails. ``floor``: for a reference that is zero in exact arithmetic (its norm is rounding noise)."""
     x64, r64 = x.detach().double(), ref.detach().double()
     finite = torch.isfinite(r64)
     if not torch.equal(finite, torch.isfinite(x64)):
         return float("inf")
     x64, r64 = x64[finite], r64[finite]
-    denom = r64.norm().item()
+    denom = max(r64.norm().item(), floor)
     diff = (x64 - r64).norm().item()
     return diff / denom if denom > 0 else diff

@@ -17,7 +17,7 @@ def base() -> dict:
     return {
         "context_length": 4096,
         "sp_size": 2,
-        "model": {"config": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64}},
+        "model": {"config": {"model_type": "llama", "vocab_size": 257, "hidden_size": 64}},
         "training": {"max_steps": 10},
     }
 

@@ -23,6 +23,7 @@ import torch
 import yaml
 from distributed import rel_err, run_distributed
 
+from lightseq_hf._testing.faults import ENV as FAULTS_ENV
 from lightseq_hf.training.config import ConfigError, config_from_dict
 from lightseq_hf.training.saving import (
     COMPLETION_RECORD,
@@ -34,9 +35,8 @@ from lightseq_hf.training.saving import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch",
-          "--config_file", str(ROOT / "configs" / "accelerate" / "cpu-2proc.yaml"), "scripts/finetune.py",
-          "configs/tiny.yaml"]
+# lightseq-finetune --nproc 2 with the private fault-injection entry point (lightseq_hf/_testing/faults.py)
+LAUNCH = [sys.executable, "-m", "lightseq_hf._testing.faults", "--nproc", "2", "configs/tiny.yaml"]
 # a 256-token context: each step takes milliseconds, a launch ~15 s (start-up)
 SMALL = ["training.device=cpu", "logging.progress_bar=false", "data.synthetic.eval_samples=2",
          "context_length=256", "model.config.max_position_embeddings=256", "logging.plot=false"]
@@ -44,9 +44,9 @@ SMALL = ["training.device=cpu", "logging.progress_bar=false", "data.synthetic.ev
 
 def _launch(args: list[str], fault: str | None = None, timeout: int = 180) -> tuple[int, str, float]:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("LIGHTSEQ_FAULT", None)
+    env.pop(FAULTS_ENV, None)
     if fault:
-        env["LIGHTSEQ_FAULT"] = fault
+        env[FAULTS_ENV] = fault
     tic = time.perf_counter()
     proc = subprocess.run(LAUNCH + SMALL + args, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -73,6 +73,7 @@ def test_kill_during_save_then_resume_falls_back_to_last_complete(tmp_path: Path
     rc, out, _ = _launch(args, fault="save:1:4:kill")  # rank 1 dies after rank 0 wrote the weights
     assert rc != 0, out[-3000:]
     assert "fault injection: kill at save, rank 1, step 4" in out
+    assert "lightseq-finetune: rank 1 was killed by SIGKILL" in out  # the launcher's one line for it
     assert not (run / "checkpoint-4").exists() and (run / ".checkpoint-4.tmp" / "model.safetensors").is_file()
     verify_checkpoint(run / "checkpoint-2")  # the earlier save is complete and intact
     first = _records(run / "metrics.jsonl")
@@ -104,10 +105,11 @@ def test_kill_during_save_then_resume_falls_back_to_last_complete(tmp_path: Path
         f.write(b"garbage!" * 512)
     latest, skipped = find_latest_checkpoint(run)
     assert latest == run / "checkpoint-2" and "state/optimizer.bin" in skipped[0] and "sha256" in skipped[0]
-    from lightseq_hf.training.loop import prepare_output_dir  # what rank 0 runs before loading
+    from lightseq_hf.training.output import prepare_output_dir  # what rank 0 runs before loading
 
     with pytest.raises(CheckpointError, match="checkpoint-4 is damaged: state/optimizer.bin does not match"):
-        prepare_output_dir(_config(tmp_path / "other", f"saving.resume_from={run / 'checkpoint-4'}"))
+        prepare_output_dir(_config(tmp_path / "other", f"saving.resume_from={run / 'checkpoint-4'}",
+                                   "saving.resume_other_run=true"))
 
 
 @pytest.mark.slow
@@ -193,7 +195,7 @@ def test_checkpoint_records_catch_partial_truncated_and_corrupt(tmp_path: Path) 
 
 
 def test_resume_policy_never_destroys(tmp_path: Path) -> None:
-    from lightseq_hf.training.loop import _Writer, prepare_output_dir
+    from lightseq_hf.training.output import MetricsWriter, prepare_output_dir
 
     run = tmp_path / "run"
     with pytest.raises(ConfigError, match="no complete checkpoint with training state"):
@@ -211,7 +213,7 @@ def test_resume_policy_never_destroys(tmp_path: Path) -> None:
         prepare_output_dir(_config(run, f"saving.resume_from={weights_only}"))
     good = _fake_checkpoint(run, 3)
     assert prepare_output_dir(_config(run, "saving.resume_from=latest")) == good
-    _Writer(run / "metrics.jsonl", keep_until_step=2)
+    MetricsWriter(run / "metrics.jsonl", keep_until_step=2)
     assert sorted(_records(run / "metrics.jsonl")) == [1, 2]
     assert sorted(_records(run / "metrics.jsonl.before-resume-2")) == [1, 2, 3]
     assert prepare_output_dir(_config(run, "saving.if_output_exists=archive")) is None
@@ -225,9 +227,12 @@ def test_resume_policy_never_destroys(tmp_path: Path) -> None:
         prepare_output_dir(_config(run / "metrics.jsonl.before-resume-2" / "sub"))
 
 
-def test_changed_schedule_length_is_an_error_or_logged_choice(tmp_path: Path, capsys) -> None:
-    from lightseq_hf.training.loop import TrainState, _reconcile_schedule, lr_lambda
+def test_changed_schedule_length_is_an_error_or_logged_choice(tmp_path: Path, caplog) -> None:
+    from lightseq_hf.training.build import lr_lambda
+    from lightseq_hf.training.checkpoints import TrainState
+    from lightseq_hf.training.checkpoints import reconcile_schedule as _reconcile_schedule
 
+    caplog.set_level("INFO", logger="lightseq_hf")
     p = torch.nn.Parameter(torch.zeros(1))
     for choice, expect_total in (("error", None), ("keep", 240), ("rebuild", 480)):
         cfg = _config(tmp_path, "training.max_steps=480", f"saving.on_schedule_change={choice}")
@@ -241,7 +246,7 @@ def test_changed_schedule_length_is_an_error_or_logged_choice(tmp_path: Path, ca
         _reconcile_schedule(cfg, state, 480, sched, tmp_path)
         assert state.schedule_steps == expect_total
         assert sched.lr_lambdas[0](300) == lr_lambda(cfg, expect_total)(300)
-        assert f"on_schedule_change={choice}" in capsys.readouterr().out
+        assert f"on_schedule_change={choice}" in caplog.text
 
 
 def test_config_refuses_non_finite_and_cli_accepts_options_anywhere(tmp_path: Path, capsys,
@@ -276,17 +281,20 @@ def test_bytes_tokenizer_is_saved_and_found_again(tmp_path: Path) -> None:
 
 
 def test_faults_hook_and_failure_classification() -> None:
-    from lightseq_hf.training.guards import fault, is_comm_failure
+    import lightseq_hf.training as training
+    from lightseq_hf._testing.faults import act, parse
+    from lightseq_hf.training.guards import is_comm_failure
 
-    os.environ["LIGHTSEQ_FAULT"] = "loss:1:2:nan"
-    try:
-        assert fault("loss", 1, 2) and not fault("loss", 0, 2) and not fault("loss", 1, 3)
-        os.environ["LIGHTSEQ_FAULT"] = "loss:1"
+    faults = parse("loss:1:2:nan, save:0:4:kill")
+    assert act(faults, "loss", 1, 2) and not act(faults, "loss", 0, 2) and not act(faults, "loss", 1, 3)
+    for bad in ("loss:1", "loss:1:2:explode", "where:1:2:nan"):
         with pytest.raises(ValueError, match="point:rank:step:action"):
-            fault("loss", 1, 2)
-    finally:
-        del os.environ["LIGHTSEQ_FAULT"]
-    assert not fault("loss", 1, 2)
+            parse(bad)
+    assert not act(parse(""), "loss", 1, 2)
+    # the library itself never reads the variable: no module of lightseq_hf/ outside _testing names it
+    for path in Path(training.__file__).parents[1].rglob("*.py"):
+        if "_testing" not in path.parts:
+            assert FAULTS_ENV not in path.read_text() and "LIGHTSEQ_FAULT" not in path.read_text(), path
     assert is_comm_failure(RuntimeError("[gloo/transport/tcp/pair.cc:534] Timed out waiting 5000ms"))
     assert not is_comm_failure(ValueError("labels must be 2-D"))
 
@@ -349,7 +357,8 @@ def worker_agreement(rank: int, world: int) -> list[str]:
     qg = q.clone().requires_grad_(rank == 0)
     _expect_error(failures, rank, "different requires_grad", lambda: attn(qg, q, q), "requires_grad")
 
-    # the same-batch fingerprint: one label differs at position 1008 (the old `% 1009` weight was 0 there)
+    # the same-batch fingerprint: one label differs at position 1008
+    # (a position-weighted sum mod 1009 would miss it)
     ids = torch.randint(0, 100, (1, 1100), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     if rank == 1:

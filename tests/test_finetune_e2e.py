@@ -59,7 +59,8 @@ def test_tiny_default_runs_saves_and_resumes(tmp_path: Path) -> None:
 
     resumed = tmp_path / "resumed"
     _run(["scripts/finetune.py", "configs/tiny.yaml", "training.max_steps=3", f"output_dir={resumed}",
-          f"saving.resume_from={run / 'checkpoint-2'}", "saving.final=false", *common])
+          f"saving.resume_from={run / 'checkpoint-2'}", "saving.resume_other_run=true", "saving.final=false",
+          *common])
     again = _train_losses(resumed)
     assert sorted(again) == [3]
     assert again[3] == pytest.approx(losses[3], rel=1e-6, abs=1e-6)

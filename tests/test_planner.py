@@ -136,8 +136,9 @@ def test_offload_auto_and_partial_offload(capsys):
     """offload_checkpoints N keeps the last layers on the device; ``auto`` picks the fewest layers that fit
     the device (launch: ``resolve_auto_offload``; ``--plan`` prints it) and refuses a host too small."""
     from lightseq_hf.planner import GIB, ModelShape, PlanOptions, layers_to_offload, plan_memory
-    from lightseq_hf.training.cli import main, resolve_auto_offload
+    from lightseq_hf.training.cli import main
     from lightseq_hf.training.config import ConfigError, load_config
+    from lightseq_hf.training.planning import resolve_auto_offload
 
     shape = ModelShape(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, head_dim=128,
                        vocab=32000)

@@ -43,13 +43,25 @@ def _no_as_string(value: Any) -> Any:
     return "no" if value is False else value  # YAML 1.1 reads an unquoted `no` as false
 
 
-PosInt = Annotated[int, Field(gt=0)]
-NonNegInt = Annotated[int, Field(ge=0)]
-PosFloat = Annotated[float, Field(gt=0)]
-NonNegFloat = Annotated[float, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0, le=1)]
-OpenFraction = Annotated[float, Field(gt=0, lt=1)]
-Beta = Annotated[float, Field(ge=0, lt=1)]
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic would read true as 1: a number key given a switch is a mistake
+        raise ValueError(f"expected a number, not the boolean {str(value).lower()}")
+    return value
+
+
+def _number(kind: type, **bounds: Any) -> Any:
+    return Annotated[kind, BeforeValidator(_not_bool), Field(**bounds)]
+
+
+PosInt = _number(int, gt=0)
+NonNegInt = _number(int, ge=0)
+PosFloat = _number(float, gt=0)
+NonNegFloat = _number(float, ge=0)
+Fraction = _number(float, ge=0, le=1)
+OpenFraction = _number(float, gt=0, lt=1)
+Beta = _number(float, ge=0, lt=1)
+Seed = _number(int, ge=0, lt=2**32)  # numpy's seeds are 32-bit
+MAX_TIMEOUT_S = 30 * 24 * 3600
 StrList = Annotated[list[str], BeforeValidator(_as_list)]
 
 RESUME_LATEST = "latest"  # newest complete checkpoint in output_dir; an error when there is none
@@ -93,7 +105,7 @@ class SyntheticConfig(_Section):
     filler_period: PosInt = 32
     num_samples: PosInt = 1_000_000
     eval_samples: NonNegInt = 32
-    seed: int = 1234
+    seed: Seed = 1234
 
 
 class DataConfig(_Section):
@@ -134,8 +146,9 @@ class TrainingConfig(_Section):
     checkpointing: Literal[(*CHECKPOINTING_MODES, "none")] = "remat"  # type: ignore[valid-type]
     backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
-    timeout_s: PosFloat = 600.0  # bound on every collective wait (a frozen or missing peer ends the run)
+    seed: Seed = 0
+    # bound on every collective wait (a frozen or missing peer ends the run); at most 30 days
+    timeout_s: _number(float, gt=0, le=MAX_TIMEOUT_S) = 600.0  # type: ignore[valid-type]
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
     # memory options (README "Memory")
     # what checkpointed layers keep -> pinned host memory, prefetched: true (every layer), N (the first N
@@ -167,6 +180,16 @@ class SavingConfig(_Section):
     checksums: StrictBool = True  # sha256 of every file in the completion record, verified on resume
     if_output_exists: Literal["error", "archive"] = "error"  # a fresh run into a used output_dir
     on_schedule_change: Literal["error", "rebuild", "keep"] = "error"  # resume with another step count
+    resume_other_run: StrictBool = False  # allow resume_from to name a checkpoint outside output_dir
+
+
+class ParityCheckConfig(_Section):
+    """The first-step parity check (``lightseq_hf.check_parity``): the sequence-parallel first step against
+    the same step computed without sequence parallelism; a failure stops the run with one line."""
+
+    enabled: StrictBool = True  # check at the first step of a fresh run (sp_size > 1)
+    max_tokens: PosInt | None = None  # tokens checked (a prefix of the first micro-batch); None: ~4%
+    rtol: PosFloat | None = None  # relative tolerance; None: by dtype (float32 1e-5, bfloat16 0.1)
 
 
 class FinetuneConfig(_Section):
@@ -181,6 +204,7 @@ class FinetuneConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     saving: SavingConfig = Field(default_factory=SavingConfig)
+    parity: ParityCheckConfig = Field(default_factory=ParityCheckConfig)
 
 
 def _dotted(loc: tuple) -> str:
@@ -210,6 +234,8 @@ def _describe(err: dict) -> str:
         known = f"; known keys: {', '.join(sorted(section.model_fields))}" if section else ""
         return f"unknown key {key} (in {_dotted(loc[:-1]) or 'top level'}{known})"
     msg = err["msg"]
+    if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
+        msg = str(err.get("ctx", {}).get("error", msg))
     msg = msg[0].lower() + msg[1:]
     if err["type"] in ("model_type", "model_attributes_type", "dict_type"):
         return f"{key}: expected a mapping; got {err['input']!r}"
@@ -268,6 +294,22 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, base_dir: s
     return cfg
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise ConfigError(f"{key_node.start_mark.name}: key {key!r} appears twice in one mapping "
+                                  f"(lines {seen[key]} and {line}); the second would silently replace the "
+                                  "first: merge them")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path, overrides: list[str] | None = None,
                 world_size: int | None = None) -> FinetuneConfig:
     """Read a YAML file, apply ``key.sub=value`` overrides, validate."""
@@ -276,9 +318,9 @@ def load_config(path: str | Path, overrides: list[str] | None = None,
         raise ConfigError(f"config file {path} does not exist")
     with open(path) as f:
         try:
-            data = yaml.safe_load(f) or {}
+            data = yaml.load(f, Loader=_UniqueKeyLoader) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
     return config_from_dict(data, overrides, base_dir=path.parent, world_size=world_size)
 
 
@@ -298,9 +340,21 @@ def _need_path(value: str, key: str, what: str = "path") -> None:
 
 
 def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size: int | None = None) -> None:
-    """Checks the schema cannot make alone (several keys, the world size, paths); raise ConfigError
-    naming the key. Relative paths are resolved in place."""
+    """Checks the schema cannot make alone (several keys, the world size, paths, the architecture);
+    raise ConfigError naming the key. Relative paths are resolved in place."""
     base = Path(base_dir) if base_dir is not None else None
+    _validate_layout(cfg, world_size)
+    vocab = _validate_model(cfg, base)
+    _check_input_memory(cfg)
+    _validate_data(cfg, base, vocab)
+    r = cfg.saving.resume_from
+    if r is not None and r not in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
+        cfg.saving.resume_from = _resolve(r, base)
+        _need_path(cfg.saving.resume_from, "saving.resume_from",
+                   f"checkpoint directory (or '{RESUME_LATEST}' / '{RESUME_LATEST_OR_FRESH}')")
+
+
+def _validate_layout(cfg: FinetuneConfig, world_size: int | None) -> None:
     t = cfg.training
     if t.offload_checkpoints and t.checkpointing == "none":
         raise ConfigError("training.offload_checkpoints needs checkpointing (training.checkpointing remat or "
@@ -317,6 +371,11 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
             f"of a sequence-parallel group holds context_length / sp_size tokens"
         )
 
+
+def _validate_model(cfg: FinetuneConfig, base: Path | None) -> int | None:
+    """model.*, the tokenizer path and the architecture entries; the model's vocab_size when known."""
+    from .architecture import check_model_config, model_vocab_size
+
     m = cfg.model
     if m.path is None and not m.config:
         raise ConfigError("model: give model.path (a Hugging Face checkpoint) or model.config (inline)")
@@ -330,7 +389,11 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     if cfg.tokenizer not in (None, "bytes"):
         cfg.tokenizer = _resolve(cfg.tokenizer, base)
         _need_path(cfg.tokenizer, "tokenizer", "tokenizer directory")
+    check_model_config(m.config, m.path)
+    return model_vocab_size(m.config, m.path)
 
+
+def _validate_data(cfg: FinetuneConfig, base: Path | None, vocab: int | None) -> None:
     dc = cfg.data
     if dc.type == "files":
         if not dc.paths:
@@ -338,13 +401,17 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
         for i, p in enumerate(dc.paths):
             dc.paths[i] = _resolve(str(p), base)
             _need_path(dc.paths[i], f"data.paths[{i}]", "data file")
-        if cfg.tokenizer is None and m.path is None:
+        if cfg.tokenizer is None and cfg.model.path is None:
             raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
+        _check_formats(dc.paths, dc.format)
+    if dc.type != "synthetic" and cfg.tokenizer == "bytes" and vocab is not None and vocab < BYTE_VOCAB:
+        raise ConfigError(
+            f"tokenizer: the byte tokenizer produces {BYTE_VOCAB} ids (256 bytes and end-of-text) but the "
+            f"model's vocab_size is {vocab}; set model.config.vocab_size={BYTE_VOCAB} (or more)")
     if dc.type == "hub" and not dc.name:
         raise ConfigError("data.name: data.type is 'hub' but no dataset name is given")
     if dc.type == "synthetic":
         s = dc.synthetic
-        vocab = (m.config or {}).get("vocab_size")
         need = 4 + s.num_values * s.passkey_len
         if vocab is not None and vocab < need:
             raise ConfigError(
@@ -352,8 +419,34 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
                 f"{need} (3 special tokens, num_values * passkey_len key tokens, filler)"
             )
 
-    r = cfg.saving.resume_from
-    if r is not None and r not in (RESUME_LATEST, RESUME_LATEST_OR_FRESH):
-        cfg.saving.resume_from = _resolve(r, base)
-        _need_path(cfg.saving.resume_from, "saving.resume_from",
-                   f"checkpoint directory (or '{RESUME_LATEST}' / '{RESUME_LATEST_OR_FRESH}')")
+
+BYTE_VOCAB = 257  # data.ByteTokenizer: ids 0-255 and the end-of-text id 256
+
+
+def _check_formats(paths: list[str], fmt: str) -> None:
+    """An explicit data.format must match every file whose extension says otherwise."""
+    from .data import FILE_FORMATS
+
+    if fmt == "auto":
+        return
+    for i, p in enumerate(paths):
+        suffixes = [x.lower() for x in Path(p).suffixes if x.lower() not in (".gz", ".bz2", ".xz", ".zst")]
+        found = FILE_FORMATS.get(suffixes[-1]) if suffixes else None
+        if found is not None and found != fmt:
+            raise ConfigError(f"data.paths[{i}]: {p!r} is a {found} file but data.format is {fmt!r}; set "
+                              f"data.format={found} (or auto)")
+
+
+def _check_input_memory(cfg: FinetuneConfig) -> None:
+    """A micro-batch's token tensors (ids, labels, positions: int64) must fit the host's memory."""
+    t = cfg.training
+    need = 3 * 8 * t.batch_size * cfg.context_length
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return
+    if need > ram:
+        raise ConfigError(
+            f"training.batch_size {t.batch_size} x context_length {cfg.context_length}: one micro-batch's "
+            f"token tensors alone take {need / 2**30:.0f} GiB, more than this host's {ram / 2**30:.0f} GiB; "
+            "lower training.batch_size (it counts sequences per data-parallel group per micro-step)")

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-_FORMATS = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",
-            ".parquet": "parquet", ".csv": "csv"}
+FILE_FORMATS = {  # extension -> the `datasets` builder
+    ".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",
+    ".parquet": "parquet", ".csv": "csv"}
 
 
 BYTE_TOKENIZER_FILE = "lightseq_tokenizer.json"
@@ -69,10 +70,10 @@ def detect_format(paths: Sequence[str], fmt: str = "auto") -> str:
     for p in paths:
         suffixes = [s for s in Path(p).suffixes if s not in (".gz", ".bz2", ".xz", ".zst")]
         ext = suffixes[-1].lower() if suffixes else ""
-        if ext not in _FORMATS:
+        if ext not in FILE_FORMATS:
             raise ValueError(f"data.paths: cannot tell the format of {p!r} from its extension; "
                              "set data.format")
-        found.add(_FORMATS[ext])
+        found.add(FILE_FORMATS[ext])
     if len(found) != 1:
         raise ValueError(f"data.paths mix formats ({', '.join(sorted(found))}); use one format per run")
     return found.pop()
@@ -238,14 +239,27 @@ class ParallelSampler(Sampler[int]):
         return self.per_group - self.start
 
 
+def _integers(samples: list[dict], key: str) -> torch.Tensor:
+    """The samples' ``key`` stacked as int64; ValueError for values that are not whole numbers (a cast
+    would truncate 3.5 to 3 and train on other boundaries or tokens than the data says)."""
+    x = torch.stack([torch.as_tensor(s[key]) for s in samples])
+    bad = x.flatten() if x.dtype == torch.bool or x.is_complex() else x[:0]
+    if x.is_floating_point():
+        bad = x[~torch.isfinite(x) | (x != torch.round(x))]
+    if bad.numel():
+        raise ValueError(f"data: {key} must hold whole numbers; found {bad[0].item()!r} ({x.dtype}). "
+                         "Fix the dataset's column")
+    return x.long()
+
+
 def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
-    """Stack equal-length samples into ``input_ids``, ``labels`` (and ``position_ids``): ``(B, N)`` each."""
-    ids = torch.stack([torch.as_tensor(s["input_ids"]) for s in samples])
-    labels = torch.stack([torch.as_tensor(s["labels"]) for s in samples]) if "labels" in samples[0] \
-        else ids.clone()
-    out = {"input_ids": ids.long(), "labels": labels.long()}
+    """Stack equal-length samples into ``input_ids``, ``labels`` (and ``position_ids``): ``(B, N)`` int64
+    each; values that are not whole numbers are refused."""
+    ids = _integers(samples, "input_ids")
+    labels = _integers(samples, "labels") if "labels" in samples[0] else ids.clone()
+    out = {"input_ids": ids, "labels": labels}
     if "position_ids" in samples[0]:
-        out["position_ids"] = torch.stack([torch.as_tensor(s["position_ids"]) for s in samples]).long()
+        out["position_ids"] = _integers(samples, "position_ids")
     return out
 
 

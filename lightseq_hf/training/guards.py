@@ -1,12 +1,9 @@
-"""Run guards: non-finite values, peers that stop answering, and test-only fault injection.
+"""Run guards: non-finite values and peers that stop answering.
 
 * :class:`NonFiniteError` stops a run whose loss or gradient norm is NaN/Inf, naming the step.
 * :class:`Progress` records what each rank is doing (in the process group's key-value store), so a
   rank whose collective times out can say which operation it was in and where each peer last was;
   :meth:`Progress.explain` turns the raw backend error into :class:`PeerFailure`.
-* :func:`fault` is the fault-injection hook of tests/test_faults.py: ``LIGHTSEQ_FAULT`` holds
-  ``point:rank:step:action`` entries (comma-separated; action ``kill``, ``hang``, ``stop`` or
-  ``nan``). Unset, it does nothing.
 """
 
 from __future__ import annotations
@@ -14,14 +11,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import os
-import signal
 import time
 from collections.abc import Iterator
 
 import torch.distributed as dist
-
-FAULT_ENV = "LIGHTSEQ_FAULT"
 
 
 class NonFiniteError(RuntimeError):
@@ -30,34 +23,6 @@ class NonFiniteError(RuntimeError):
 
 class PeerFailure(RuntimeError):
     """A collective did not complete: a peer rank is frozen, gone, or not calling the same operation."""
-
-
-def fault(point: str, rank: int, step: int) -> bool:
-    """Act on a matching ``LIGHTSEQ_FAULT`` entry: ``kill`` (SIGKILL self), ``stop`` (SIGSTOP self),
-    ``hang`` (sleep until killed); ``nan`` returns True (the caller injects a NaN)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return False
-    for entry in spec.split(","):
-        parts = entry.strip().split(":")
-        if len(parts) != 4:
-            raise ValueError(f"{FAULT_ENV} entry {entry!r} must look like point:rank:step:action")
-        where, r, s, action = parts
-        if where != point or int(r) != rank or int(s) != step:
-            continue
-        print(f"[lightseq] fault injection: {action} at {point}, rank {rank}, step {step}", flush=True)
-        if action == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        elif action == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif action == "hang":
-            while True:
-                time.sleep(3600)
-        elif action == "nan":
-            return True
-        else:
-            raise ValueError(f"{FAULT_ENV}: unknown action {action!r} (kill, stop, hang or nan)")
-    return False
 
 
 _COMM_HINTS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",

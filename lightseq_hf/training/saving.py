@@ -107,13 +107,23 @@ def read_completion_record(directory: str | Path) -> dict:
 
 
 def verify_checkpoint(directory: str | Path, checksums: bool = True) -> dict:
-    """Check every recorded file is present with its size (and sha256); return the record.
+    """Check the record lists every file of the directory and each is present with its size (and
+    sha256); return the record.
 
-    Raises CheckpointError naming the first missing, truncated or changed file.
+    Raises CheckpointError naming the first missing, unlisted, truncated or changed file.
     """
     root = Path(directory)
     record = read_completion_record(root)
-    for rel, entry in record["files"].items():
+    files = record["files"]
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{root / COMPLETION_RECORD} lists no files, so it vouches for nothing; the "
+                              "checkpoint cannot be trusted")
+    unlisted = sorted({p.relative_to(root).as_posix() for p in _files(root)} - set(files))
+    if unlisted:
+        raise CheckpointError(
+            f"{root} is damaged: {unlisted[0]} is not in its {COMPLETION_RECORD} (a file added after the "
+            "save, or a record that was edited); the checkpoint cannot be trusted")
+    for rel, entry in files.items():
         p = root / rel
         if not p.is_file():
             raise CheckpointError(f"{root} is damaged: {rel} is missing")

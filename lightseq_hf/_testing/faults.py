@@ -1,0 +1,108 @@
+"""Fault injection for the fine-tune: kill, freeze or poison one rank of a real run (tests/test_faults.py).
+
+    LIGHTSEQ_TEST_FAULTS=save:1:4:kill python -m lightseq_hf._testing.faults --nproc 2 CONFIG [key=value ...]
+
+This module is the entry point of such runs: it installs the faults named in ``LIGHTSEQ_TEST_FAULTS``
+(comma-separated ``point:rank:step:action``) by wrapping two functions of the trainer, then runs
+``lightseq-finetune``; its ``--nproc`` workers run this module again. The library never reads the
+variable. Points: ``step`` (a step, before its forward pass), ``loss`` (the step's summed loss),
+``save`` (before a rank writes its training state into the checkpoint of that step). Actions: ``kill``
+(SIGKILL), ``stop`` (SIGSTOP), ``hang`` (sleep until killed), ``nan`` (the loss becomes NaN; ``loss``
+only).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "LIGHTSEQ_TEST_FAULTS"
+POINTS = ("step", "loss", "save")
+ACTIONS = ("kill", "stop", "hang", "nan")
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str
+    rank: int
+    step: int
+    action: str
+
+
+def parse(spec: str) -> list[Fault]:
+    """``"point:rank:step:action,..."`` -> faults; ValueError naming a malformed entry."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        parts = entry.split(":")
+        if len(parts) != 4 or parts[0] not in POINTS or parts[3] not in ACTIONS \
+                or not (parts[1].isdigit() and parts[2].isdigit()):
+            raise ValueError(f"{ENV} entry {entry!r} must look like point:rank:step:action with point one of "
+                             f"{', '.join(POINTS)} and action one of {', '.join(ACTIONS)}")
+        faults.append(Fault(parts[0], int(parts[1]), int(parts[2]), parts[3]))
+    return faults
+
+
+def act(faults: list[Fault], point: str, rank: int, step: int) -> bool:
+    """Carry out the fault at ``(point, rank, step)``, if one is listed; True for ``nan``."""
+    for f in faults:
+        if (f.point, f.rank, f.step) != (point, rank, step):
+            continue
+        print(f"[lightseq] fault injection: {f.action} at {point}, rank {rank}, step {step}", flush=True)
+        if f.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif f.action == "hang":
+            while True:
+                time.sleep(3600)
+        return f.action == "nan"
+    return False
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def install(faults: list[Fault]) -> None:
+    """Wrap ``Trainer._forward_backward`` (points step, loss) and ``checkpoints.write_training_state``
+    (point save) so that they carry out ``faults``."""
+    from lightseq_hf.training import checkpoints, loop
+
+    forward_backward = loop.Trainer._forward_backward
+    write_state = checkpoints.write_training_state
+
+    @functools.wraps(forward_backward)
+    def faulty_forward_backward(self, batches, step):
+        act(faults, "step", _rank(), step)
+        loss_sum = forward_backward(self, batches, step)
+        return loss_sum + float("nan") if act(faults, "loss", _rank(), step) else loss_sum
+
+    @functools.wraps(write_state)
+    def faulty_write_state(accelerator, directory: Path):
+        step = int(re.search(r"checkpoint-(\d+)", Path(directory).parent.name).group(1))
+        act(faults, "save", _rank(), step)
+        return write_state(accelerator, directory)
+
+    loop.Trainer._forward_backward = faulty_forward_backward
+    checkpoints.write_training_state = faulty_write_state
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``lightseq-finetune`` with the faults of ``LIGHTSEQ_TEST_FAULTS`` installed in every worker."""
+    from lightseq_hf.training.cli import run
+
+    install(parse(os.environ.get(ENV, "")))
+    run(argv, worker_module="lightseq_hf._testing.faults")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""What a run is made of: the model (built, checked against the tokenizer, patched), its memory options,
+the optimizer and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from typing import Any
+
+import torch
+
+from .config import ConfigError, FinetuneConfig
+from .log import logger
+
+
+def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torch.nn.Module:
+    """Load ``model.path`` or build ``model.config`` with random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, cfg.model.dtype)
+    m = cfg.model
+    if m.path is not None:
+        hf_cfg = AutoConfig.from_pretrained(m.path)
+        if m.config:
+            hf_cfg.update({k: v for k, v in m.config.items() if k != "model_type"})
+        if not m.random_init:
+            return AutoModelForCausalLM.from_pretrained(m.path, config=hf_cfg, dtype=dtype)
+    else:
+        entries = dict(m.config)
+        hf_cfg = AutoConfig.for_model(entries.pop("model_type"), **entries)
+    ctx = torch.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
+    with ctx:  # random init straight on the GPU: a 7B model initializes in seconds there
+        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+
+
+def build_model_or_explain(cfg: FinetuneConfig, device: torch.device) -> torch.nn.Module:
+    """:func:`build_model`; transformers refusing the architecture entries becomes a ConfigError."""
+    try:
+        return build_model(cfg, device)
+    except Exception as e:
+        refused = isinstance(e, (ValueError, TypeError, KeyError)) or \
+            type(e).__module__.split(".")[0] in ("transformers", "huggingface_hub")
+        if not refused:
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"model: transformers could not build the model from model.path/model.config: "
+                          f"{msg}") from e
+
+
+def tokenizer_size(tokenizer: Any) -> int | None:
+    """The number of ids ``tokenizer`` can produce (added tokens included), when it says."""
+    if tokenizer is None:
+        return None
+    with contextlib.suppress(TypeError):
+        return len(tokenizer)
+    return getattr(tokenizer, "vocab_size", None)
+
+
+def check_tokenizer_fits(cfg: FinetuneConfig, tokenizer: Any, vocab_size: int) -> None:
+    """ConfigError when text data would be tokenized into ids the model's embedding table lacks."""
+    if cfg.data.type == "synthetic":
+        return  # the synthetic task draws ids from the model's vocabulary itself
+    n = tokenizer_size(tokenizer)
+    if n is not None and n > vocab_size:
+        which = "model.config.vocab_size" if cfg.model.config and "vocab_size" in cfg.model.config \
+            else "the model's vocab_size"
+        raise ConfigError(
+            f"tokenizer: {cfg.tokenizer or cfg.model.path} produces {n} ids but {which} is {vocab_size}; "
+            f"set model.config.vocab_size={n} (or more), or use the model's own tokenizer"
+        )
+
+
+def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
+    """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
+    device memory and its share of the host's available memory."""
+    offload = cfg.training.offload_checkpoints
+    if offload != "auto":
+        return offload
+    if accelerator.device.type != "cuda":
+        return False  # nothing to gain: the "device" is host memory
+    from accelerate.utils import DistributedType
+
+    from ..memory import memory_budget
+    from .planning import resolve_auto_offload
+
+    world = accelerator.num_processes
+    sharding = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "replicated"
+    gpu, host = memory_budget(accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    layers = resolve_auto_offload(cfg, world, sharding, gpu, host)
+    if accelerator.is_main_process:
+        logger.info(f"training.offload_checkpoints=auto: {layers} layers' checkpoints in host memory "
+                    f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)")
+    return layers
+
+
+def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
+                offload: bool | int | None = None) -> torch.nn.Module:
+    """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
+    ``training.offload_checkpoints``)."""
+    import lightseq_hf
+
+    ckpt = cfg.training.checkpointing
+    offload = cfg.training.offload_checkpoints if offload is None else offload
+    model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
+                                    checkpointing="remat" if ckpt == "none" else ckpt,
+                                    offload_checkpoints=offload,
+                                    tiled_mlp=cfg.training.tiled_mlp)
+    if ckpt != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model.config, "use_cache"):
+        model.config.use_cache = False
+    return model
+
+
+def use_fsdp_cpu_offload(accelerator: Any) -> None:
+    """``training.cpu_offload``: FSDP2's CPUOffloadPolicy (master weights, gradients and the optimizer
+    step on the host, pinned); only under an FSDP2 accelerate config."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or getattr(plugin, "fsdp_version", 1) != 2:
+        raise ConfigError(
+            "training.cpu_offload needs FSDP2: launch with an accelerate config that has distributed_type: "
+            "FSDP and fsdp_version: 2 (e.g. configs/accelerate/1node-8gpu-fsdp.yaml)"
+        )
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
+
+
+def lr_lambda(cfg: FinetuneConfig, total_steps: int):
+    """Warmup then cosine, linear or constant decay to ``min_lr_ratio`` (multiplier of ``lr``)."""
+    t = cfg.training
+
+    def f(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.lr_schedule == "constant":
+            return 1.0
+        span = max(1, total_steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.lr_schedule == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: int) -> tuple[Any, Any]:
+    """AdamW (no weight decay on norms and biases) and its warmup + decay schedule."""
+    t = cfg.training
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr, betas=tuple(t.betas), fused=False,
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    return optimizer, scheduler

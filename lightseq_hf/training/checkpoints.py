@@ -1,0 +1,112 @@
+"""A run's checkpoints through accelerate: the progress counters, saving ``checkpoint-<step>/``, loading
+one back, and a resumed run whose step count differs from the checkpoint's (the crash-safe directory
+handling itself is in :mod:`.saving`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .build import lr_lambda
+from .config import ConfigError, FinetuneConfig
+from .log import logger
+from .saving import CheckpointError, publish, temporary_path, write_completion_record
+
+
+class TrainState:
+    """Progress counters, saved with the checkpoint (accelerate ``register_for_checkpointing``)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.epoch = 0
+        self.samples_in_epoch = 0  # samples this data-parallel group consumed in the current epoch
+        self.tokens = 0  # tokens trained on, all data-parallel groups together
+        self.schedule_steps: int | None = None  # the step count the learning-rate schedule spans
+        self.skipped_steps = 0  # steps whose update was skipped (non-finite, training.on_nonfinite=skip)
+
+    def state_dict(self) -> dict:
+        return dict(vars(self))
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+
+
+def write_training_state(accelerator: Any, directory: Path) -> None:
+    """Every rank's share of what resuming needs (accelerate ``save_state``) under ``directory``."""
+    accelerator.save_state(str(directory))
+
+
+def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
+                    state: TrainState, out_dir: Path) -> Path:
+    """``checkpoint-<step>/``: save_pretrained model (+ tokenizer) and, under ``state/``, everything
+    needed to resume (weights, optimizer, scheduler, counters, RNG states of every rank).
+
+    Written under ``.checkpoint-<step>.tmp``; once every rank has finished, the main process
+    records every file (size, sha256) in ``checkpoint_complete.json`` and renames the directory,
+    so a crash at any point leaves either no ``checkpoint-<step>`` or a complete one."""
+    step = state.step
+    final, tmp = out_dir / f"checkpoint-{step}", temporary_path(out_dir, step)
+    if accelerator.is_main_process:
+        if tmp.exists():  # left by a save that crashed
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    state_dict = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+    del state_dict
+    if cfg.saving.save_optimizer:
+        write_training_state(accelerator, tmp / "state")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_completion_record(tmp, step, {"epoch": state.epoch, "tokens": state.tokens,
+                                            "world_size": accelerator.num_processes,
+                                            "schedule_steps": state.schedule_steps}, cfg.saving.checksums)
+        aside = publish(tmp, final)
+        if aside is not None:
+            logger.warning(f"{final.name} already existed (from an earlier run); moved to {aside.name}")
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_resume_state(accelerator: Any, resume: Path) -> None:
+    """Load ``resume/state`` into the prepared model, optimizer, scheduler and counters."""
+    try:
+        accelerator.load_state(str(resume / "state"))
+    except Exception as e:  # a file the completion record could not vouch for (checksums off, old version)
+        raise CheckpointError(f"{resume}: loading the training state failed ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+
+
+def reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int, scheduler: Any,
+                       resume: Path) -> None:
+    """A resumed run whose step count differs from the checkpoint's: error, or the configured choice."""
+    saved = state.schedule_steps
+    if saved is None or saved == total_steps:
+        state.schedule_steps = total_steps
+        return
+    choice = cfg.saving.on_schedule_change
+    old_lr = cfg.training.lr * lr_lambda(cfg, saved)(state.step)
+    new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(state.step)
+    if choice == "error":
+        raise ConfigError(
+            f"saving.on_schedule_change: {resume} was trained with a learning-rate schedule of {saved} "
+            f"steps, this run has {total_steps}; resuming would move the learning rate at step {state.step} "
+            f"from {old_lr:.3g} to {new_lr:.3g}. Set saving.on_schedule_change=keep (finish the old "
+            "schedule, then hold its final rate) or =rebuild (stretch the schedule to the new length)"
+        )
+    if choice == "rebuild":
+        state.schedule_steps = total_steps
+        logger.info(f"saving.on_schedule_change=rebuild: schedule of {saved} steps rebuilt for "
+                    f"{total_steps}; learning rate at step {state.step}: {old_lr:.3g} -> {new_lr:.3g}")
+    else:
+        logger.info(f"saving.on_schedule_change=keep: the {saved}-step schedule continues (learning rate at "
+                    f"step {state.step}: {old_lr:.3g}) for {total_steps} steps")
+    scheduler.lr_lambdas = [lr_lambda(cfg, state.schedule_steps)] * len(scheduler.lr_lambdas)

@@ -1,0 +1,111 @@
+"""``lightseq-finetune --nproc N CONFIG [key=value ...]``: start N local worker processes of the fine-tune.
+
+The workers get the environment ``torchrun`` gives (``MASTER_ADDR``/``MASTER_PORT``, ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``) plus, with ``--accelerate-config``, what
+``accelerate launch`` derives from that file (FSDP, mixed precision). Each worker reports its own
+failure in one line (rank 0 for configuration errors); the launcher adds nothing to those, and one line
+for a worker that died without a word (killed by a signal). After the first worker fails, the others get a
+few seconds (``grace_s``) to report what they saw, then are terminated: a frozen peer never would, and the
+first failure's message already names where every rank was.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightseq_hf
+
+EXIT_FAILED = 1
+_REPORTED = (1, 2)  # exit statuses whose reason the worker printed itself
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_env(config_file: str, nproc: int) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file config_file`` gives its workers."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", config_file, "--num_processes", str(nproc),
+                                               "--main_process_port", "0", "worker"])
+    args, _, _ = _validate_launch_command(args)
+    return prepare_multi_gpu_env(args)
+
+
+def worker_env(base: dict[str, str], rank: int, world: int, port: int) -> dict[str, str]:
+    """``base`` plus what a worker of a single-host group of ``world`` needs to join it."""
+    package_root = str(Path(lightseq_hf.__file__).resolve().parents[1])  # importable from a checkout too
+    path = os.pathsep.join(p for p in (package_root, base.get("PYTHONPATH", "")) if p)
+    return {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+            "GROUP_RANK": "0", "NODE_RANK": "0", "PYTHONPATH": path}
+
+
+def _describe_death(rank: int, code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the kernel's out-of-memory killer, or a kill from outside)" if name == "SIGKILL" else ""
+        return f"rank {rank} was killed by {name}{hint}"
+    return f"rank {rank} exited with status {code} without a message (see its output above)"
+
+
+def _wait(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
+    """Exit statuses of every worker; once one fails, the rest get ``grace_s`` before SIGTERM/SIGKILL."""
+    deadline = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes  # type: ignore[return-value]
+        if deadline is None and any(c not in (None, 0) for c in codes):
+            deadline = time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            try:
+                for p in procs:
+                    p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            return [p.wait() for p in procs]
+        time.sleep(0.1)
+
+
+def launch(nproc: int, module: str, worker_args: list[str], accelerate_config: str | None = None,
+           grace_s: float = 10.0) -> int:
+    """Run ``python -m module *worker_args`` as ``nproc`` ranks of one process group on this host; the
+    exit status is the first failing rank's (0 when all succeed)."""
+    base = accelerate_env(accelerate_config, nproc) if accelerate_config else dict(os.environ)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", module, *worker_args],
+                              env=worker_env(base, rank, nproc, port)) for rank in range(nproc)]
+    try:
+        codes = _wait(procs, grace_s)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        codes = [p.wait() for p in procs]
+        return 130
+    failed = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if not failed:
+        return 0
+    for rank, code in failed:
+        if code not in _REPORTED:
+            print(f"lightseq-finetune: {_describe_death(rank, code)}", file=sys.stderr, flush=True)
+    return next((c for _, c in failed if c in _REPORTED), EXIT_FAILED)

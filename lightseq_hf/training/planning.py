@@ -1,0 +1,97 @@
+"""The planner for a fine-tune config: its model shape and options, ``offload_checkpoints: auto``, and
+the ``--plan`` report (lightseq_hf.planner does the arithmetic)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+
+def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
+    """The planner's ``(ModelShape, PlanOptions)`` for a config run on ``world`` processes."""
+    from ..planner import ModelShape, PlanOptions
+
+    sp = cfg.sp_size or world
+    entries = {}
+    if cfg.model.path is not None:
+        config_file = Path(cfg.model.path) / "config.json"
+        if not config_file.is_file():
+            raise ConfigError(f"model.path: {config_file} does not exist (the planner reads the "
+                              "architecture from it)")
+        entries.update(json.loads(config_file.read_text()))
+    entries.update(cfg.model.config or {})
+    t = cfg.training
+    compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision or "", cfg.model.dtype)
+    opts = PlanOptions(context=cfg.context_length, sp_size=sp, world=world, batch=t.batch_size,
+                       sharding=sharding if world > 1 else "replicated", master_dtype=cfg.model.dtype,
+                       compute_dtype=compute, checkpointing=t.checkpointing,
+                       offload_checkpoints=t.offload_checkpoints, tiled_mlp=t.tiled_mlp,
+                       cpu_offload=t.cpu_offload,
+                       attention_kernel="reference" if t.backend == "reference" else "flash")
+    return ModelShape.from_config(entries), opts
+
+
+def resolve_auto_offload(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> int:
+    """``training.offload_checkpoints: auto``: the fewest layers to offload for the step to fit
+    ``gpu_bytes`` per rank, by the planner; every layer when even that does not fit (the run then
+    shows where memory ends). Raises ConfigError when the host cannot hold what must go there."""
+    from ..planner import GIB, layers_to_offload
+
+    shape, opts = plan_inputs(cfg, world, sharding)
+    layers = layers_to_offload(shape, opts, gpu_bytes, host_bytes)
+    if layers is None:
+        if layers_to_offload(shape, opts, gpu_bytes) is not None:
+            raise ConfigError(
+                f"training.offload_checkpoints=auto: at context_length {cfg.context_length} the checkpoints "
+                f"the device cannot keep do not fit {host_bytes / GIB:.0f} GiB of host memory per rank "
+                "either; shorten the context, use more GPUs, or add training.tiled_mlp (see "
+                "lightseq-finetune CONFIG --plan)")
+        return shape.layers
+    return layers
+
+
+def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
+              host_gib: float | None) -> str:
+    """The ``--plan`` report: predicted peaks at the config's context and the longest that fits."""
+    from dataclasses import replace
+
+    from ..planner import GIB, layers_to_offload, longest_context, plan_memory
+
+    world = world or cfg.sp_size or 1
+    sp = cfg.sp_size or world
+    shape, opts = plan_inputs(cfg, world, sharding)
+    t = cfg.training
+    if gpu_gib is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / GIB if cuda else 139.0
+    if host_gib is None:
+        host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / world
+    offload_note = ""
+    if t.offload_checkpoints == "auto":
+        layers = layers_to_offload(shape, opts, gpu_gib * GIB, host_gib * GIB)
+        offload_note = (f"offload_checkpoints auto: {layers} of {shape.layers} layers offloaded at this "
+                        "context" if layers is not None else
+                        "offload_checkpoints auto: no number of offloaded layers fits at this context")
+        chosen = shape.layers if layers is None else layers
+        plan = plan_memory(shape, replace(opts, offload_checkpoints=chosen))
+    else:
+        plan = plan_memory(shape, opts)
+    longest = longest_context(shape, opts, gpu_gib * GIB, host_gib * GIB)
+    options = (f"checkpointing {t.checkpointing}, offload_checkpoints {t.offload_checkpoints}, tiled_mlp "
+               f"{t.tiled_mlp}, cpu_offload {t.cpu_offload}, {opts.sharding} over {world} ranks, sp {sp}, "
+               f"{opts.compute_dtype} activations, {cfg.model.dtype} master weights, AdamW")
+    return "\n".join([
+        f"plan for {cfg.context_length} tokens ({cfg.context_length // sp} per rank), "
+        f"{shape.params / 1e9:.2f}B parameters; {options}",
+        *([offload_note] if offload_note else []),
+        plan.describe(),
+        f"longest context that fits {gpu_gib:.0f} GiB device and {host_gib:.0f} GiB host memory per rank: "
+        f"{longest} tokens ({longest // 1024}K)" if longest else
+        f"nothing fits {gpu_gib:.0f} GiB device / {host_gib:.0f} GiB host memory per rank",
+    ])
