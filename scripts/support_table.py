@@ -1,4 +1,4 @@
-"""Measure the causal-LM model types of Transformers and rewrite the README's support table.
+"""Measure the causal-LM model types of Transformers and rewrite the support tables (docs/models.md, README).
 
     python scripts/support_table.py            # the architecture test's types, on 2 and 3 processes
     python scripts/support_table.py --survey   # and every other type the patch accepts, on 2 (slow)
@@ -6,7 +6,7 @@
 Every causal-LM model type gets a row: ``works`` with the worst relative errors measured (the
 architecture test's checks: loss, aux loss, every gradient, attention calls, tiles, offload), ``refused``
 with the message ``lightseq_hf.patch`` gives, or ``not run`` (accepted, no tiny model of it ran). The
-rows are also written to ``results/architectures.json`` (with the date and versions); numbers of types
+rows are also written to ``benchmarks/results/architectures.json`` (with the date and versions); numbers of types
 not re-measured are kept from it.
 """
 
@@ -105,8 +105,9 @@ def main() -> int:
         "date": datetime.date.today().isoformat(), "device": "CPU (gloo)", "torch": torch.__version__,
         "transformers": transformers.__version__, "rows": rows}, indent=1, sort_keys=True) + "\n")
     listed = [{"model type": t, **r} for t, r in sorted(rows.items())]
-    rendered = table.render(listed, transformers.__version__)
-    table.README.write_text(table.replace_table(table.README.read_text(), rendered))
+    for page, rendered in ((table.MODELS_PAGE, table.render(listed, transformers.__version__)),
+                           (table.README, table.render_summary(listed, transformers.__version__))):
+        page.write_text(table.replace_table(page.read_text(), rendered))
     print(f"{sum(r['status'] == 'works' for r in rows.values())} work, "
           f"{sum(r['status'] == 'refused' for r in rows.values())} refused, "
           f"{sum(r['status'] == 'not run' for r in rows.values())} not run; {len(failures)} failures")

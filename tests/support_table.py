@@ -1,10 +1,11 @@
-"""The README's table of supported and refused model types: what each row says, rendered and parsed.
+"""The tables of supported and refused model types (``docs/models.md``, one row per model type, and the
+README's summary of it): what each row says, rendered and parsed.
 
 A row is one causal-LM model type of Transformers: ``works`` (the worst relative errors of the
 architecture test on 2 and 3 processes, or of the survey on 2 processes for the types the test does not
 run), ``refused`` (the message :func:`lightseq_hf.patch` gives), or ``not run`` (accepted by the
 patch's checks, no tiny model of it ran). ``scripts/support_table.py`` measures and rewrites the table
-(and ``results/architectures.json``, its data); ``tests/test_architectures.py`` checks it.
+(and ``benchmarks/results/architectures.json``, its data); ``tests/test_architectures.py`` checks it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-RESULTS = ROOT / "results" / "architectures.json"
+MODELS_PAGE = ROOT / "docs" / "models.md"
+RESULTS = ROOT / "benchmarks" / "results" / "architectures.json"
 START, END = "<!-- support-table:start -->", "<!-- support-table:end -->"
 COLUMNS = ("model type", "status", "parity", "memory options")
 
@@ -88,8 +90,47 @@ Transformers {transformers} is below: `works` with the worst relative errors aga
 model on one process (loss, router aux loss, every parameter's gradient) measured by
 `tests/test_architectures.py` on 2 and 3 CPU processes (or by its survey on 2, for the types the test
 does not run), `refused` with the message, `not run` when the patch accepts it but no tiny model of
-it ran. Regenerate with `python scripts/support_table.py --survey` (data: `results/architectures.json`).
+it ran. Regenerate with `python scripts/support_table.py --survey` (data:
+`benchmarks/results/architectures.json`).
 """
+
+
+SUMMARY_INTRO = """\
+`lightseq_hf.patch(model)` finds the decoder stack, the layers and the head of any decoder-only causal LM
+whose layers attend through Transformers' `AttentionInterface` (full, sliding-window or chunked causal
+attention). Each causal-LM model type of Transformers {transformers}, patched on 2 (and for the test's
+types 3) CPU processes against the unpatched model on one; [docs/models.md](docs/models.md) gives each
+one's measured errors, refusal message and memory options."""
+
+REFUSAL_KINDS = (  # (words of the refusal message, what the summary calls them)
+    (("encoder-decoder",), "encoder-decoder"),
+    (("bidirectional",), "bidirectional encoders"),
+    (("linear-attention", "state-space", "sparse", "compressed"), "linear, sparse or state-space attention"),
+    (("composite", "multimodal", "decoder stack"), "composite and multimodal models"),
+    (("AttentionInterface",), "attention outside AttentionInterface"),
+)
+
+
+def refusal_kind(message: str) -> str:
+    return next((name for words, name in REFUSAL_KINDS if any(w in message for w in words)), "other features")
+
+
+def render_summary(rows: list[dict], transformers_version: str) -> str:
+    """The README's summary: the model types that work, are refused (by kind of refusal), or did not run."""
+    def names(selected: list[dict]) -> str:
+        return ", ".join(f"`{row['model type']}`" for row in selected)
+
+    works = [r for r in rows if r["status"] == "works"]
+    refused = [r for r in rows if r["status"] == "refused"]
+    not_run = [r for r in rows if r["status"] == "not run"]
+    kinds = [name for _, name in REFUSAL_KINDS] + ["other features"]
+    groups = [(kind, [r for r in refused if refusal_kind(r["parity"]) == kind]) for kind in kinds]
+    lines = [SUMMARY_INTRO.format(transformers=transformers_version), "", "| status | model types |",
+             "|---|---|", f"| works, exact ({len(works)}) | {names(works)} |"]
+    lines += [f"| refused: {kind} ({len(group)}) | {names(group)} |" for kind, group in groups if group]
+    if not_run:
+        lines.append(f"| accepted, no tiny model ran ({len(not_run)}) | {names(not_run)} |")
+    return "\n".join(lines)
 
 
 def render(rows: list[dict], transformers_version: str) -> str:
@@ -104,11 +145,15 @@ def render(rows: list[dict], transformers_version: str) -> str:
 _NUMBER = re.compile(r"(loss|gradients|aux loss) ([0-9.e+-]+)")
 
 
-def parse_rows(readme: str) -> list[dict]:
+def table_between_markers(text: str) -> str:
+    if START not in text or END not in text:
+        raise ValueError(f"no support table between {START} and {END}.")
+    return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def parse_rows(page: str) -> list[dict]:
     """The rows of the table between the markers (``numbers``: what the parity cell states)."""
-    if START not in readme or END not in readme:
-        raise ValueError(f"README has no support table between {START} and {END}.")
-    body = readme.split(START, 1)[1].split(END, 1)[0]
+    body = table_between_markers(page)
     rows = []
     for line in [line for line in body.splitlines() if line.startswith("|")][2:]:
         cells = [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]

@@ -1,5 +1,6 @@
 """Every decoder architecture the patch serves, on 2 and 3 gloo processes against the unpatched model on
-one process; the others refused by name at patch time; the README's support table checked against both.
+one process; the others refused by name at patch time; the support tables (docs/models.md, the README's
+summary) checked against both.
 
 Each model type of SUPPORTED is a tiny random model (``tiny_models.tiny_config``: 3 layers, 6 query
 heads over 2 key/value heads where the architecture has GQA, sliding-window and chunked layers where it
@@ -24,7 +25,7 @@ import warnings
 import pytest
 import torch
 from distributed import rel_err, run_distributed
-from support_table import README, expected_row, parse_rows, refusal_message
+from support_table import MODELS_PAGE, README, expected_row, parse_rows, refusal_message
 from tiny_models import make_tiny
 
 from lightseq_hf.parallel.api import dist_flash_attn
@@ -457,21 +458,23 @@ def test_class_patch_leaves_refused_models_alone():
 # ----------------------------------------------------------------------------- the README table
 
 
-def test_readme_support_table():
-    """The README's table has a row for every causal-LM model type of the installed Transformers, as
-    ``results/architectures.json`` (the generator's data) has them; the test's own types work within the
-    tolerance, with the memory options the code applies; its refused types carry the refusal the code
-    gives now; no row fails."""
-    from support_table import load_results, render
+def test_support_tables():
+    """docs/models.md has a row for every causal-LM model type of the installed Transformers, as
+    ``benchmarks/results/architectures.json`` (the generator's data) has them, and the README its summary;
+    the test's own types work within the tolerance, with the memory options the code applies; its refused
+    types carry the refusal the code gives now; no row fails."""
+    from support_table import load_results, render, render_summary, table_between_markers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    readme = README.read_text()
-    rows = parse_rows(readme)
+    page = MODELS_PAGE.read_text()
+    rows = parse_rows(page)
     by_type = {row["model type"]: row for row in rows}
     assert sorted(by_type) == sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     results = load_results()
     listed = [{"model type": t, **r} for t, r in sorted(results["rows"].items())]
-    assert render(listed, results["transformers"]) in readme, "README and results/architectures.json differ"
+    assert render(listed, results["transformers"]) == table_between_markers(page), "docs/models.md is stale"
+    summary = render_summary(listed, results["transformers"])
+    assert summary == table_between_markers(README.read_text()), "the README's model summary is stale"
     assert not [row for row in rows if row["status"] not in ("works", "refused", "not run")]
     for model_type in SUPPORTED:
         row = by_type[model_type]

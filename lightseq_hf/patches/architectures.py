@@ -39,6 +39,7 @@ OTHER_KINDS = {
 }
 #: words of the forward arguments of multimodal models (images, audio, cross-attention states)
 MEDIA_WORDS = ("pixel", "image", "audio", "video", "vision", "speech", "cross_attention", "encoder_hidden")
+CROSS_WORDS = ("cross_attention", "encoder_hidden")
 #: arguments the decoder stack's forward must take (the split passes them)
 DECODER_PARAMS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 
@@ -190,6 +191,8 @@ def describe(model: torch.nn.Module) -> Architecture:
     signature = inspect.signature(type(decoder).forward).parameters
     media = [p for p in (*signature, *inspect.signature(type(model).forward).parameters)
              if any(word in p for word in MEDIA_WORDS)]
+    if not getattr(config, "add_cross_attention", False):  # GPT-2 and kin: cross-attention inputs unused
+        media = [p for p in media if not any(word in p for word in CROSS_WORDS)]
     if media:
         raise refuse(f"a multimodal model (its forward takes {', '.join(dict.fromkeys(media))}); its image, "
                      "audio or cross-attention inputs cannot be split along the text sequence")

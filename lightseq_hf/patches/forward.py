@@ -13,7 +13,7 @@
   slice); a head with extras (soft-capping, logit scaling) computes the slice's logits itself and
   the loss is taken from them. The model's own code adds what it adds (the router aux loss).
 
-Calls with a KV cache (``use_cache=True``, ``past_key_values``: generation, prefill) run the unpatched
+Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the unpatched
 model on every rank, unsharded.
 """
 
@@ -36,7 +36,7 @@ from ..parallel.sharding import (
     shift_labels,
     take_shard,
 )
-from .architectures import Architecture, decoder_stack
+from .architectures import MEDIA_WORDS, Architecture, decoder_stack
 from .attention import ACTIVE_MODEL
 from .batch import SplitBatch, split_batch
 from .state import ATTN_IMPLEMENTATION, PatchSettings, settings_of
@@ -60,13 +60,32 @@ class PendingSplit:
     loss_calls: list = field(default_factory=list)
 
 
-def wants_cache(use_cache: Any, past_key_values: Any) -> bool:
-    return past_key_values is not None or use_cache is True
+CACHE_NAMES = ("cache", "past_key_values")  # Transformers 5.24 renamed past_key_values to cache
+
+
+def take_cache(cache: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache of a call, under either of its names (removed from ``kwargs``)."""
+    for name in CACHE_NAMES:
+        given = kwargs.pop(name, None)
+        if given is not None and cache is not None and given is not cache:
+            raise ValueError("Pass the KV cache once: as cache (Transformers >= 5.24) or past_key_values.")
+        cache = given if given is not None else cache
+    return cache
+
+
+def cache_keyword(original) -> str:
+    """The name under which ``original`` (a model's forward) takes the KV cache."""
+    parameters = inspect.signature(original).parameters
+    return next((name for name in CACHE_NAMES if name in parameters), "past_key_values")
+
+
+def wants_cache(use_cache: Any, cache: Any) -> bool:
+    return cache is not None or use_cache is True
 
 
 def with_fallback_attention(model: torch.nn.Module, call):
     """Run ``call()`` with the model's own attention implementation (the one before the patch)."""
-    warn_once("cache", "lightseq_hf: a call with a KV cache (use_cache=True or past_key_values: generation, "
+    warn_once("cache", "lightseq_hf: a call with a KV cache (use_cache=True, cache or past_key_values: generation, "
               "prefill) runs the unpatched model on every rank, unsharded.")
     fallback = model.__dict__.get("_lightseq_fallback_attn")
     previous = model.config._attn_implementation
@@ -88,6 +107,11 @@ def warn_once(key: str, message: str) -> None:
 
 
 def check_outputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    given = [name for name, value in kwargs.items() if value is not None and any(w in name for w in MEDIA_WORDS)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: image, audio and cross-attention inputs cannot be split along the "
+                         "text sequence; a patched model takes text only. Call lightseq_hf.unpatch() to run "
+                         "the model with them.")
     if kwargs.get("output_attentions", getattr(model.config, "output_attentions", False)):
         raise ValueError(
             "output_attentions=True is not supported by lightseq_hf's distributed attention: it never forms "
@@ -118,14 +142,18 @@ def gather_router_logits(router_logits: tuple, split: SplitBatch) -> tuple:
 
 
 def make_decoder_forward(original, architecture_of):
+    cache_name = cache_keyword(original)
+
     @functools.wraps(original)
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
+        cache = take_cache(cache, kwargs)
         pending: PendingSplit | None = self.__dict__.pop("_lightseq_pending", None)
-        if "lightseq_sp" in kwargs or (pending is None and wants_cache(use_cache, past_key_values)):
+        if "lightseq_sp" in kwargs or (pending is None and wants_cache(use_cache, cache)):
+            kwargs[cache_name] = cache
             call = lambda: original(self, input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
-                                    position_ids=position_ids, past_key_values=past_key_values,
-                                    inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                                    position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                    use_cache=use_cache, **kwargs)
             return call() if "lightseq_sp" in kwargs else with_fallback_attention(self, call)
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         check_outputs(self, kwargs)
@@ -156,15 +184,18 @@ def make_decoder_forward(original, architecture_of):
 
 
 def make_causal_lm_forward(original, architecture_of):
+    cache_name = cache_keyword(original)
+
     @functools.wraps(original)
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, **kwargs):
+        cache = take_cache(cache, kwargs)
         layout = kwargs.pop("lightseq_logits", "full")
-        if wants_cache(use_cache, past_key_values):  # generation, prefill: the original model, unsharded
+        if wants_cache(use_cache, cache):  # generation, prefill: the original model, unsharded
             return with_fallback_attention(self, lambda: original(
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                use_cache=use_cache, **kwargs))
+                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **{cache_name: cache},
+                **kwargs))
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         out = causal_lm_forward(self, original, architecture_of(self), settings_of(self), layout,
                                 dict(input_ids=input_ids, attention_mask=attention_mask,

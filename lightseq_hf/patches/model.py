@@ -34,7 +34,7 @@ from .forward import make_causal_lm_forward, make_decoder_forward, warn_once
 from .state import ATTN_IMPLEMENTATION, PatchSettings
 from .tiled_mlp import apply_tiled_mlp, check_tiled_mlp, remove_tiled_mlp
 
-SUPPORTED_TRANSFORMERS = "5.x (tested with 5.17 and 5.23)"
+SUPPORTED_TRANSFORMERS = "5.x (tested with 5.17, 5.23 and 5.24)"
 
 logger = logging.getLogger("lightseq_hf")
 _saved: dict[tuple[type, str], Any] = {}
