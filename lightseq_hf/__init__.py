@@ -22,7 +22,7 @@ from .parallel import (
     segments_from_hf,
 )
 from .parallel.sharding import pad_to_multiple
-from .patches import patch_llama, patch_model, unpatch_llama
+from .patches import patch, patch_llama, patch_model, unpatch, unpatch_llama
 
 __version__ = "0.1.0"
 
@@ -37,11 +37,13 @@ __all__ = [
     "dist_flash_attn",
     "init_sequence_parallel",
     "pad_to_multiple",
+    "patch",
     "patch_llama",
     "patch_model",
     "remat_checkpoint",
     "segments_from_hf",
     "sync_gradients",
+    "unpatch",
     "unpatch_llama",
 ]
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install torch 2.13 (CPU build where no GPU torch is wanted) and the project with its
 # dev extra (the training extra, triton and the test tools).
-# The project install is skipped when pyproject.toml and the Python version are unchanged since the last
+# The tested versions come from constraints.txt. The project install is skipped when pyproject.toml,
+# constraints.txt and the Python version are unchanged since the last
 # successful one (a stamp in .venv); delete .venv/.lightseq-installed to force it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 stamp=.venv/.lightseq-installed
-want="$(python -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest(), sys.version.split()[0])')"
+want="$(python -c 'import hashlib, sys; print(hashlib.sha256(open("pyproject.toml", "rb").read() + open("constraints.txt", "rb").read()).hexdigest(), sys.version.split()[0])')"
 # the core, the training extra and the test tools (pip install -e ".[dev]" brings all three)
 check="import torch, lightseq_hf, lightseq_hf.training.config, datasets, tqdm, matplotlib, pytest, triton"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && python -c "$check" 2>/dev/null; then
@@ -19,5 +20,5 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==2.13.0"
 fi
-python -m pip install -q -e ".[dev]"
+python -m pip install -q -c constraints.txt -e ".[dev]"
 echo "$want" > "$stamp"

@@ -140,10 +140,10 @@ def _bad_inputs(rank, world):
 
     import transformers
 
-    gpt2_config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
-    gpt2 = transformers.GPT2LMHeadModel(gpt2_config)
-    _expect(failures, "unsupported architecture", "cannot patch GPT2LMHeadModel",
-            lambda: lightseq_hf.patch_llama(gpt2))
+    bloom_config = transformers.BloomConfig(n_layer=1, hidden_size=32, n_head=2, vocab_size=64)
+    bloom = transformers.BloomForCausalLM(bloom_config)
+    _expect(failures, "unsupported architecture", "cannot patch BloomForCausalLM",
+            lambda: lightseq_hf.patch_llama(bloom))
     dropout = lightseq_hf.patch_llama(make_model("llama", attention_dropout=0.1))
     dropout.train()
     _expect(failures, "attention dropout", "attention dropout",

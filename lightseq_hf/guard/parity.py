@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..patches.llama import resolve_sp_group, unsharded
+from ..patches.state import resolve_sp_group, unsharded
 from .gradients import SKETCH_DIM, gradient_sketch, is_sharded_gradient
 from .observe import AttentionWatch
 from .reference import batch_shape, dense_masked_attention, document_ids, take_prefix

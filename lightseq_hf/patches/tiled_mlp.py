@@ -1,26 +1,27 @@
-"""Sequence-tiled MLP for the Llama-family MLPs (gate/up/down projections and an activation).
+"""Sequence-tiled MLP for the dense MLPs of decoder layers (linear projections and an activation).
 
 An MLP of ``tokens x hidden`` input makes ``tokens x intermediate`` activations (gate, up, the
 activation and the product: about 4x the hidden state at Llama's 2.7x expansion), in the forward
 and again in the backward's recompute. :class:`TiledMLPFunction` runs the module on ``tile``
-tokens at a time: the forward without autograd, the backward recomputing each tile's forward and
-differentiating it at once, so at most one tile's intermediate activations are alive. The result
-is the untiled MLP's (token rows are independent); parameter gradients are summed over the tiles
-in float32 (float64 for float64 weights) and cast once.
+tokens at a time (each tile a batch of one sequence): the forward without autograd, the backward
+recomputing each tile's forward and differentiating it at once, so at most one tile's intermediate
+activations are alive. The result is the untiled MLP's (token rows are independent); parameter
+gradients are summed over the tiles in float32 (float64 for float64 weights) and cast once.
 
 The module's own ``forward`` runs per tile, so wrapped projections (PEFT's LoRA layers) work too.
-:func:`apply_tiled_mlp` installs it on a model's MLPs; :func:`remove_tiled_mlp` takes it away.
+:func:`apply_tiled_mlp` installs it on a model's dense MLPs (:func:`layer_mlps`: the feed-forward
+module of each decoder layer whose parameters all belong to two or more linear layers);
+mixture-of-experts blocks and other feed-forwards stay untiled, with a logged note.
+:func:`remove_tiled_mlp` takes it away.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-#: MLP classes served (the ``*MLP`` of the architectures lightseq_hf patches)
-MLP_CLASS_NAMES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
-
-#: how many times each path ran (tests prove the tiling with it)
-call_counts = {"tiled_forward": 0, "tile_forwards": 0, "tile_backwards": 0}
+logger = logging.getLogger("lightseq_hf")
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
@@ -42,11 +43,10 @@ class TiledMLPFunction(torch.autograd.Function):
         forward = type(module).forward
         out = None
         for start in range(0, flat.shape[0], tile):
-            piece = forward(module, flat[start:start + tile])
+            piece = forward(module, flat[None, start:start + tile])[0]  # (1, tile, hidden): a short sequence
             if out is None:  # written tile by tile: no second full-length copy
                 out = piece.new_empty(flat.shape[0], piece.shape[-1])
             out[start:start + tile] = piece
-            call_counts["tile_forwards"] += 1
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -66,10 +66,9 @@ class TiledMLPFunction(torch.autograd.Function):
         for start in range(0, flat.shape[0], tile):
             piece = flat[start:start + tile].requires_grad_(need_x)
             with torch.enable_grad(), autocast:
-                out = forward(module, piece)
+                out = forward(module, piece[None])[0]
             inputs = ([piece] if need_x else []) + params
             grads = torch.autograd.grad(out, inputs, grad_flat[start:start + tile], allow_unused=True)
-            call_counts["tile_backwards"] += 1
             if need_x:
                 grad_x[start:start + tile] = grads[0]
                 grads = grads[1:]
@@ -93,7 +92,6 @@ class TiledForward:
         tokens = x.numel() // x.shape[-1]
         if tokens <= self.tile:
             return type(module).forward(module, x)
-        call_counts["tiled_forward"] += 1
         params = [p for p in module.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():
@@ -108,8 +106,56 @@ class _NoCtx:
         pass
 
 
-def _is_mlp(module: torch.nn.Module) -> bool:
-    return type(module).__name__ in MLP_CLASS_NAMES
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM or of its decoder stack (empty if it has none)."""
+    from .architectures import decoder_layers, decoder_stack
+
+    return decoder_layers(decoder_stack(model) or model) or torch.nn.ModuleList()
+
+
+def _recorded_classes(model: torch.nn.Module) -> tuple[type, ...]:
+    """Classes whose outputs Transformers records through hooks (routers): never run them per tile."""
+    found = []
+    for module in model.modules():
+        for target in getattr(module, "_can_record_outputs", None) or {}:
+            value = module._can_record_outputs[target]
+            cls = getattr(value, "target_class", value)
+            if isinstance(cls, type) and target == "router_logits":
+                found.append(cls)
+    return tuple(found)
+
+
+def _is_dense(module: torch.nn.Module, recorded: tuple[type, ...]) -> bool:
+    """Two or more linear layers hold every parameter (so tokens are independent), and no router inside."""
+    linear = 0
+    for sub in module.modules():
+        if recorded and isinstance(sub, recorded):
+            return False
+        if isinstance(sub, torch.nn.Linear):
+            linear += 1
+        elif any(True for _ in sub.parameters(recurse=False)):
+            return False
+    return linear >= 2
+
+
+def layer_mlps(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[str]]:
+    """The dense MLPs of the model's decoder layers, and the names of the feed-forward modules that are
+    not (mixture-of-experts blocks and others), which stay untiled."""
+    from .architectures import uses_attention_interface
+
+    recorded = _recorded_classes(model)
+    dense, other = [], []
+    for i, layer in enumerate(_decoder_layers(model)):
+        for name, child in layer.named_children():
+            attention = any(uses_attention_interface(type(m)) for m in child.modules())
+            if (attention or "norm" in name.lower() or isinstance(child, torch.nn.Linear)
+                    or not any(True for _ in child.parameters())):
+                continue  # attention, norms, bare projections (an MLP without a module of its own)
+            if _is_dense(child, recorded):
+                dense.append(child)
+            else:
+                other.append(f"layer {i} {name} ({type(child).__name__})")
+    return dense, other
 
 
 def check_tiled_mlp(tile_tokens: int | None) -> int | None:
@@ -122,21 +168,24 @@ def check_tiled_mlp(tile_tokens: int | None) -> int | None:
 
 
 def apply_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None) -> int:
-    """Run every Llama-family MLP of ``model`` ``tile_tokens`` tokens at a time (None: untiled, undoing
-    an earlier call). Returns how many MLPs are tiled."""
+    """Run every dense MLP of ``model``'s decoder layers ``tile_tokens`` tokens at a time (None: untiled,
+    undoing an earlier call). Returns how many MLPs are tiled; the feed-forwards that cannot be tiled
+    are named in a log line."""
     check_tiled_mlp(tile_tokens)
-    count = 0
-    for module in model.modules():
-        if not _is_mlp(module):
-            continue
-        if tile_tokens is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = TiledForward(module, tile_tokens)
-            count += 1
-    return count
+    if tile_tokens is None:
+        remove_tiled_mlp(model)
+        return 0
+    dense, other = layer_mlps(model)
+    for module in dense:
+        module.forward = TiledForward(module, tile_tokens)
+    if other:
+        logger.warning("lightseq_hf: tiled_mlp=%d leaves %d feed-forward module(s) untiled (not dense MLPs: "
+                       "mixture-of-experts blocks or others), e.g. %s.", tile_tokens, len(other), other[0])
+    return len(dense)
 
 
 def remove_tiled_mlp(model: torch.nn.Module) -> None:
     """Give every MLP of ``model`` its own forward back."""
-    apply_tiled_mlp(model, None)
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), TiledForward):
+            del module.forward

@@ -24,7 +24,7 @@ _saved: dict[str, object] = {}
 
 def data_parallel_coordinates() -> tuple[int, int, int]:
     """(sp_size, dp_size, dp_rank) of this process under the current patch (1, 1, 0 without distributed)."""
-    from .llama import resolve_sp_group
+    from .state import resolve_sp_group
 
     group = resolve_sp_group()
     if group is None:

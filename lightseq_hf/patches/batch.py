@@ -1,0 +1,169 @@
+"""A batch of full rows -> this rank's slice, after checking every rank of the group holds the same batch."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.ops import group_rank_and_size
+from ..parallel.segments import Segments, segments_from_hf
+from ..parallel.sharding import IGNORE_INDEX, SequenceShard, global_position_ids, shard_for, take_shard
+from .attention import SequenceParallelContext, chunked_documents
+from .state import PatchSettings, resolve_sp_group, unsharded_attention
+
+#: the parts of a batch the fingerprint covers, in its order (each: presence, dtype, two checksums)
+FINGERPRINT_FIELDS = ("input_ids", "labels", "inputs_embeds", "position_ids", "attention_mask")
+_DTYPES = (None, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
+           torch.float32, torch.float16, torch.bfloat16)
+_BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+@dataclass(frozen=True)
+class SplitBatch:
+    """This rank's part of a batch of full rows: what the decoder stack runs on."""
+
+    group: dist.ProcessGroup | None
+    shard: SequenceShard
+    input_ids: torch.Tensor | None
+    inputs_embeds: torch.Tensor | None
+    position_ids: torch.Tensor
+    context: SequenceParallelContext
+
+
+def _segments_of(attention_mask, position_ids, kwargs: dict, batch: int, seq: int) -> Segments | None:
+    """Documents of the full rows from HF inputs (restarting ``position_ids``, ``cu_seq_lens_*`` kwargs,
+    2-D padding masks); ``None`` for plain rows. Pops the flash-attn varlen kwargs, which describe the
+    full rows, not this rank's slice."""
+    cu_q, cu_k = kwargs.pop("cu_seq_lens_q", None), kwargs.pop("cu_seq_lens_k", None)
+    for key in ("max_length_q", "max_length_k", "seq_idx"):
+        kwargs.pop(key, None)
+    return segments_from_hf(batch=batch, length=seq, attention_mask=attention_mask,
+                            position_ids=position_ids, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
+
+
+def check_padding_labels(attention_mask: torch.Tensor | None, shifted: torch.Tensor | None) -> None:
+    """Padding is exact only if no padding position is a prediction target (its output is zero)."""
+    if attention_mask is None or shifted is None or attention_mask.dim() != 2:
+        return
+    padding = ~attention_mask.bool()
+    if bool(padding.any()) and bool((shifted[padding] != IGNORE_INDEX).any()):
+        raise ValueError(
+            "the labels of padding positions (attention_mask 0) predict tokens (with left padding, the last "
+            "padding position predicts the first real token); set their shifted labels to -100 "
+            "(Transformers' and TRL's collators do for right padding) so the loss ignores padding."
+        )
+
+
+def _dtype_code(x: torch.Tensor) -> int:
+    return _DTYPES.index(x.dtype) if x.dtype in _DTYPES else len(_DTYPES)
+
+
+def _fingerprint(x: torch.Tensor | None, where: torch.device) -> torch.Tensor:
+    """Presence, dtype code and two sums of the bits of ``x``: plain, and weighted by position + 1
+    (never 0, no modulus), so two tensors that differ at one position differ in the second sum."""
+    if x is None:
+        return torch.zeros(4, dtype=torch.int64, device=where)
+    code = _dtype_code(x)
+    x = x.detach()
+    if x.is_floating_point():
+        x = x.contiguous().view(_BIT_VIEWS[x.element_size()])  # the exact bits, not a rounded sum
+    x = x.to(where).long().flatten()
+    weights = torch.arange(1, x.numel() + 1, device=where, dtype=torch.int64)
+    return torch.stack([torch.ones((), dtype=torch.int64, device=where),
+                        torch.full((), code, dtype=torch.int64, device=where), x.sum(), (x * weights).sum()])
+
+
+def weights_digest(model: torch.nn.Module | None) -> int:
+    """A 32-bit digest of the dtypes of the model's parameters, in order."""
+    if model is None:
+        return 0
+    return zlib.crc32(",".join(str(p.dtype) for p in model.parameters()).encode())
+
+
+def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: torch.device,
+                     segments: Segments | None = None, *, inputs_embeds=None, position_ids=None,
+                     attention_mask=None, model: torch.nn.Module | None = None) -> None:
+    """All-gather a fingerprint of the batch: every rank of the group must hold the same one.
+
+    It covers the shape, every input that shapes the result (ids, shifted labels, embeddings bit for
+    bit, position ids, the attention mask, the documents) with their dtypes, and the dtypes of the
+    model's weights; a mismatch raises the same ValueError on every rank, naming what differs.
+    """
+    where = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    labels_ok = labels is None or tuple(labels.shape) == (batch, seq)
+    tensors = (input_ids, labels if labels_ok else None, inputs_embeds, position_ids, attention_mask)
+    parts = [torch.tensor([batch, seq, int(labels is not None), int(labels_ok)], device=where,
+                          dtype=torch.int64)]
+    parts += [_fingerprint(x, where) for x in tensors]
+    parts.append(torch.tensor([0 if segments is None else segments.checksum(), weights_digest(model)],
+                              device=where, dtype=torch.int64))
+    mine = torch.cat(parts)
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    rows = [tuple(t.tolist()) for t in gathered]
+    if not labels_ok:  # raised after the all-gather, so that no rank is left waiting in it
+        raise ValueError(f"labels have shape {tuple(labels.shape)}; expected length {seq} and batch {batch} "
+                         "like input_ids: labels must be (batch, length).")
+    if len(set(rows)) > 1:
+        _raise_different(rows)
+
+
+def _raise_different(rows: list[tuple[int, ...]]) -> None:
+    names = (["batch size", "length", "labels given", "labels shape"]
+             + [f"{name} {part}" for name in FINGERPRINT_FIELDS for part in ("presence", "dtype", "values",
+                                                                             "values")]
+             + ["documents (segments)", "weight dtypes"])
+    differ = list(dict.fromkeys(n.replace(" values", "") if n.endswith("values") else n
+                                for i, n in enumerate(names) if len({r[i] for r in rows}) > 1))
+    described = "; ".join(f"rank {r}: batch {x[0]}, length {x[1]}, labels {bool(x[2])}"
+                          + ("" if x[3] else " (wrong shape)") for r, x in enumerate(rows))
+    fix = ("Load the model in one dtype on every rank (the same torch_dtype / .to(dtype))."
+           if differ == ["weight dtypes"] else
+           "Every rank of the group must get the same full batch and the patch slices it: call "
+           "lightseq_hf.patch() before building the Trainer, or shard your data by the data-parallel rank "
+           "(lightseq_hf.parallel.current_groups().dp_rank), not by the global rank.")
+    raise ValueError(f"the ranks of a sequence-parallel group received different batches (differ: "
+                     f"{', '.join(differ)}; {described}). {fix}")
+
+
+def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torch.Tensor | None,
+                inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None, kwargs: dict[str, Any],
+                shifted_labels: torch.Tensor | None = None, layer_kinds: tuple[str, ...] = ()) -> SplitBatch:
+    """Check a batch of full rows and cut this rank's slice of it (every rank of the group must call)."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
+    full = input_ids if input_ids is not None else inputs_embeds
+    batch, seq = full.shape[:2]
+    device = full.device
+    group = resolve_sp_group(settings)
+    rank, world = group_rank_and_size(group)
+    shard = shard_for(seq, rank, world)
+    segments = _segments_of(attention_mask, position_ids, kwargs, batch, seq)
+    check_padding_labels(attention_mask, shifted_labels)
+    if world > 1:
+        check_same_batch(group, batch, seq, input_ids, shifted_labels, device, segments,
+                         inputs_embeds=inputs_embeds, position_ids=position_ids,
+                         attention_mask=attention_mask, model=model)
+    chunked = None
+    if "chunked_attention" in layer_kinds:
+        chunked = chunked_documents(segments, batch, seq, shard.padded_len, model.config.attention_chunk_size)
+    pad_id = getattr(model.config, "pad_token_id", None) or 0
+    if segments is not None and position_ids is not None:  # packed: positions restart per document
+        local_pos = take_shard(position_ids.reshape(-1, seq).expand(batch, seq), shard)
+    else:
+        local_pos = global_position_ids(position_ids, batch, shard, device)
+    context = SequenceParallelContext(
+        group, settings.backend, seq, None if segments is None else segments.padded(shard.padded_len),
+        layer_kinds, chunked, getattr(model.config, "model_type", ""), unsharded_attention())
+    return SplitBatch(
+        group=group, shard=shard,
+        input_ids=take_shard(input_ids, shard, value=pad_id) if input_ids is not None else None,
+        inputs_embeds=take_shard(inputs_embeds, shard) if inputs_embeds is not None else None,
+        position_ids=local_pos, context=context,
+    )

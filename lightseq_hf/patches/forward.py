@@ -1,0 +1,323 @@
+"""The patched forwards: the split at the decoder stack, and the causal LM's loss on the slice.
+
+* The decoder stack (``model.<base_model_prefix>``, e.g. ``LlamaModel``) takes the full rows every
+  rank of the group received, keeps this rank's contiguous slice (right-padding to a multiple of the
+  group size, global position ids), runs its layers with the sequence-parallel context as a keyword
+  argument (it survives the recompute of checkpointed layers), and all-gathers along the sequence at
+  its exit (differentiable: :func:`~lightseq_hf.parallel.sharding.gather_sequence`): the final hidden
+  states, and always the MoE router logits, so an auxiliary load-balancing loss formed from them is
+  the unsharded model's.
+* The causal LM's own ``forward`` runs around it, with its head on this rank's slice and its
+  ``loss_function`` replaced for the call by the group's exact loss: a plain head
+  (``logits = self.lm_head(...)``) takes the fused chunked loss (no full-vocabulary logits of the
+  slice); a head with extras (soft-capping, logit scaling) computes the slice's logits itself and
+  the loss is taken from them. The model's own code adds what it adds (the router aux loss).
+
+Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the unpatched
+model on every rank, unsharded.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..parallel.sharding import (
+    IGNORE_INDEX,
+    chunked_loss_sum,
+    gather_sequence,
+    num_loss_tokens,
+    sequence_parallel_loss,
+    shift_labels,
+    take_shard,
+)
+from .architectures import MEDIA_WORDS, Architecture, decoder_stack
+from .attention import ACTIVE_MODEL
+from .batch import SplitBatch, split_batch
+from .state import ATTN_IMPLEMENTATION, PatchSettings, settings_of
+
+#: ``lightseq_logits`` values: logits of the whole sequence on every rank, or of this rank's slice
+LOGITS_LAYOUTS = ("full", "shard")
+#: tokens per chunk of the chunked loss (full-vocabulary float32 logits of one chunk at a time)
+LOSS_CHUNK_TOKENS = 2048
+
+logger = logging.getLogger("lightseq_hf")
+_MISSING = object()
+
+
+@dataclass
+class PendingSplit:
+    """Handed from the causal LM's forward to its decoder stack for one call."""
+
+    split: SplitBatch
+    gather: bool  # gather the final hidden states (the head then runs on the whole sequence)
+    hidden: torch.Tensor | None = None  # the decoder's sharded final hidden states (fused loss)
+    loss_calls: list = field(default_factory=list)
+
+
+CACHE_NAMES = ("cache", "past_key_values")  # Transformers 5.24 renamed past_key_values to cache
+
+
+def take_cache(cache: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache of a call, under either of its names (removed from ``kwargs``)."""
+    for name in CACHE_NAMES:
+        given = kwargs.pop(name, None)
+        if given is not None and cache is not None and given is not cache:
+            raise ValueError("Pass the KV cache once: as cache (Transformers >= 5.24) or past_key_values.")
+        cache = given if given is not None else cache
+    return cache
+
+
+def cache_keyword(original) -> str:
+    """The name under which ``original`` (a model's forward) takes the KV cache."""
+    parameters = inspect.signature(original).parameters
+    return next((name for name in CACHE_NAMES if name in parameters), "past_key_values")
+
+
+def wants_cache(use_cache: Any, cache: Any) -> bool:
+    return cache is not None or use_cache is True
+
+
+def with_fallback_attention(model: torch.nn.Module, call):
+    """Run ``call()`` with the model's own attention implementation (the one before the patch)."""
+    warn_once("cache", "lightseq_hf: a call with a KV cache (use_cache=True, cache or past_key_values: generation, "
+              "prefill) runs the unpatched model on every rank, unsharded.")
+    fallback = model.__dict__.get("_lightseq_fallback_attn")
+    previous = model.config._attn_implementation
+    if fallback is not None:
+        model.config._attn_implementation = fallback
+    try:
+        return call()
+    finally:
+        model.config._attn_implementation = previous
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def check_outputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+    given = [name for name, value in kwargs.items() if value is not None and any(w in name for w in MEDIA_WORDS)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: image, audio and cross-attention inputs cannot be split along the "
+                         "text sequence; a patched model takes text only. Call lightseq_hf.unpatch() to run "
+                         "the model with them.")
+    if kwargs.get("output_attentions", getattr(model.config, "output_attentions", False)):
+        raise ValueError(
+            "output_attentions=True is not supported by lightseq_hf's distributed attention: it never forms "
+            "the attention matrix. Call the model without output_attentions (and with "
+            "config.output_attentions=False), or call lightseq_hf.unpatch() first to get attention "
+            "maps from the unpatched model."
+        )
+
+
+def gather_router_logits(router_logits: tuple, split: SplitBatch) -> tuple:
+    """Each layer's router logits of this slice (``(batch * local, experts)`` or ``(batch, local,
+    experts)``) -> those of the whole sequence, in the same layout (padding dropped)."""
+    rows = split.input_ids if split.input_ids is not None else split.inputs_embeds
+    batch, shard = rows.shape[0], split.shard
+    gathered = []
+    for logits in router_logits:
+        if logits is None or not torch.is_tensor(logits):
+            gathered.append(logits)
+            continue
+        flat = logits.dim() == 2
+        if flat and logits.shape[0] != batch * shard.local_len:
+            raise ValueError(f"router logits of shape {tuple(logits.shape)} are not (batch x tokens, "
+                             f"experts) of this slice ({batch} x {shard.local_len}); cannot gather them.")
+        rows_first = logits.view(batch, shard.local_len, -1) if flat else logits
+        full = gather_sequence(rows_first, split.group, shard)
+        gathered.append(full.reshape(-1, full.shape[-1]) if flat else full)
+    return tuple(gathered)
+
+
+def make_decoder_forward(original, architecture_of):
+    cache_name = cache_keyword(original)
+
+    @functools.wraps(original)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        cache = take_cache(cache, kwargs)
+        pending: PendingSplit | None = self.__dict__.pop("_lightseq_pending", None)
+        if "lightseq_sp" in kwargs or (pending is None and wants_cache(use_cache, cache)):
+            kwargs[cache_name] = cache
+            call = lambda: original(self, input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
+                                    position_ids=position_ids, inputs_embeds=inputs_embeds,
+                                    use_cache=use_cache, **kwargs)
+            return call() if "lightseq_sp" in kwargs else with_fallback_attention(self, call)
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+        check_outputs(self, kwargs)
+        arch = architecture_of(self)
+        split = pending.split if pending is not None else split_batch(
+            self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
+            layer_kinds=arch.layer_kinds)
+        token = ACTIVE_MODEL.set(arch.model_type)
+        try:
+            outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
+                               attention_mask=None, position_ids=split.position_ids, use_cache=False,
+                               lightseq_sp=split.context, return_dict=True, **kwargs)
+        finally:
+            ACTIVE_MODEL.reset(token)
+        if getattr(outputs, "router_logits", None) is not None:
+            outputs.router_logits = gather_router_logits(outputs.router_logits, split)
+        if pending is None or pending.gather:
+            outputs.last_hidden_state = gather_sequence(outputs.last_hidden_state, split.group, split.shard)
+            if getattr(outputs, "hidden_states", None) is not None:
+                outputs.hidden_states = tuple(gather_sequence(h, split.group, split.shard)
+                                              for h in outputs.hidden_states)
+        else:
+            pending.hidden = outputs.last_hidden_state
+        return outputs if return_dict is not False else outputs.to_tuple()
+
+    forward._lightseq_patched = True
+    return forward
+
+
+def make_causal_lm_forward(original, architecture_of):
+    cache_name = cache_keyword(original)
+
+    @functools.wraps(original)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
+                inputs_embeds=None, labels=None, use_cache=None, **kwargs):
+        cache = take_cache(cache, kwargs)
+        layout = kwargs.pop("lightseq_logits", "full")
+        if wants_cache(use_cache, cache):  # generation, prefill: the original model, unsharded
+            return with_fallback_attention(self, lambda: original(
+                self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **{cache_name: cache},
+                **kwargs))
+        return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
+        out = causal_lm_forward(self, original, architecture_of(self), settings_of(self), layout,
+                                dict(input_ids=input_ids, attention_mask=attention_mask,
+                                     position_ids=position_ids, inputs_embeds=inputs_embeds),
+                                labels, kwargs)
+        return out if return_dict is not False else out.to_tuple()
+
+    forward._lightseq_patched = True
+    return forward
+
+
+def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettings, layout: str,
+                      inputs: dict[str, Any], labels, kwargs: dict[str, Any]):
+    """The model's own forward on this rank's slice, with the group's loss (see the module docstring)."""
+    if layout not in LOGITS_LAYOUTS:
+        raise ValueError(f"lightseq_logits={layout!r}: choose 'full' (the whole sequence on every rank, "
+                         "the default) or 'shard' (this rank's slice of the sequence).")
+    keep = kwargs.get("logits_to_keep", 0)
+    if layout == "shard" and not (isinstance(keep, int) and keep == 0):
+        raise ValueError("logits_to_keep selects positions of the whole sequence; use it with "
+                         "lightseq_logits='full'.")
+    shifted = kwargs_shift = kwargs.pop("shift_labels", None)
+    if shifted is None and labels is not None:
+        shifted = shift_labels(labels)
+    num_items = kwargs.pop("num_items_in_batch", None)
+    check_outputs(model, kwargs)
+    full = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
+    if shifted is not None and full is not None and shifted.shape[:2] != full.shape[:2]:
+        raise ValueError(f"labels have shape {tuple(shifted.shape)} but the inputs have "
+                         f"{tuple(full.shape[:2])} (batch, tokens): expected length {full.shape[1]}.")
+    decoder = decoder_stack(model)
+    split = split_batch(model, settings, inputs["input_ids"], inputs["inputs_embeds"],
+                        inputs["attention_mask"], inputs["position_ids"], kwargs, shifted_labels=shifted,
+                        layer_kinds=arch.layer_kinds)
+    mode = ("fused" if arch.fused_head else "shard") if shifted is not None else layout
+    pending = PendingSplit(split, gather=mode == "full")
+    if mode == "full":  # the model's own head and loss on the whole sequence, as unpatched
+        given_labels = labels
+        kwargs.update({k: v for k, v in (("shift_labels", kwargs_shift), ("num_items_in_batch", num_items))
+                       if v is not None})
+    else:  # labels only make the model call its loss_function: the group's loss, given below
+        given_labels = None if shifted is None else (labels if labels is not None else shifted)
+        if "logits_to_keep" in inspect.signature(original).parameters:
+            no_row = torch.zeros(0, dtype=torch.long, device=full.device)  # the head on no row: fused loss
+            kwargs["logits_to_keep"] = no_row if mode == "fused" else 0
+    loss_function = _group_loss(model, mode, pending, shifted, num_items)
+    decoder.__dict__["_lightseq_pending"] = pending
+    previous = model.__dict__.get("_loss_function", _MISSING)
+    if loss_function is not None:
+        model.loss_function = loss_function
+    try:
+        out = original(model, **inputs, labels=given_labels, use_cache=False, **kwargs)
+    finally:
+        decoder.__dict__.pop("_lightseq_pending", None)
+        if loss_function is not None:
+            model.__dict__.pop("_loss_function", None)
+            if previous is not _MISSING:
+                model.__dict__["_loss_function"] = previous
+    if loss_function is not None and len(pending.loss_calls) != 1:
+        raise RuntimeError(f"{type(model).__name__}.forward called its loss_function "
+                           f"{len(pending.loss_calls)} times; lightseq_hf expects one call.")
+    out.logits = _logits(model, mode, layout, keep, pending, out.logits) if not (
+        shifted is not None and model.training) else None
+    if mode != "full" and layout == "full" and getattr(out, "hidden_states", None) is not None:
+        out.hidden_states = tuple(gather_sequence(h, split.group, split.shard) for h in out.hidden_states)
+    return out
+
+
+def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: torch.Tensor | None):
+    """The logits to return: of the whole sequence (``layout="full"``, ``keep`` applied) or of this
+    rank's slice, whichever way the forward ran."""
+    split = pending.split
+    shard = split.shard
+    if mode == "full":
+        return logits
+    if mode == "fused":  # the head ran on no row; run it now (eval with labels)
+        hidden = pending.hidden
+        head = model.get_output_embeddings()
+        if layout == "shard":
+            return head(hidden[:, :shard.real_end - shard.start])
+        return head(_keep_logits(gather_sequence(hidden, split.group, shard), keep))
+    if layout == "shard":
+        return logits[:, :shard.real_end - shard.start]
+    return _keep_logits(gather_sequence(logits, split.group, shard), keep)
+
+
+def _keep_logits(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
+    if isinstance(keep, int):
+        return hidden[:, -keep:] if keep > 0 else hidden
+    return hidden[:, keep]
+
+
+def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
+    """The ``loss_function`` for the model's forward: the group's mean token loss (None: keep the model's)."""
+    if shifted is None or mode == "full":
+        return None  # the model's own loss on the gathered, whole-sequence logits
+    split = pending.split
+    local_labels = take_shard(shifted, split.shard, value=IGNORE_INDEX)
+
+    def loss_function(logits, labels=None, vocab_size=None, **_):
+        pending.loss_calls.append(mode)
+        if mode == "fused":
+            head = model.get_output_embeddings()
+            local_sum = chunked_loss_sum(pending.hidden, local_labels, head, model.config.vocab_size,
+                                         LOSS_CHUNK_TOKENS)
+        else:
+            local_sum = _cross_entropy_sum(logits, local_labels)
+        return sequence_parallel_loss(local_sum, num_loss_tokens(shifted), split.group, num_items)
+
+    return loss_function
+
+
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed float32 token cross-entropy of this slice's logits, a chunk of rows at a time."""
+    flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).to(logits.device)
+    total = logits.new_zeros((), dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    for i in range(0, flat.shape[0], LOSS_CHUNK_TOKENS):
+        total = total + torch.nn.functional.cross_entropy(
+            flat[i:i + LOSS_CHUNK_TOKENS].to(total.dtype), targets[i:i + LOSS_CHUNK_TOKENS],
+            ignore_index=IGNORE_INDEX, reduction="sum")
+    return total
+
+
+def is_patched_attention(model: torch.nn.Module) -> bool:
+    return model.config._attn_implementation == ATTN_IMPLEMENTATION
