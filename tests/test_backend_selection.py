@@ -52,6 +52,18 @@ def test_softcap_and_value_head_dim_go_to_the_backends_that_declare_them():
             select_backend("triton", KernelRequest(cuda, torch.bfloat16, 128, 64))
 
 
+def test_a_gradient_through_the_lse_skips_backends_whose_backward_takes_the_output():
+    """Attention sinks back-propagate through the lse: cuDNN's backward (output rows, no delta) cannot."""
+    cuda = torch.device("cuda")
+    with mock.patch("lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value=H100):
+        plain = KernelRequest(cuda, torch.bfloat16, 64, 64, MaskKind.CAUSAL)
+        assert select_backend("auto", plain) == "sdpa_cudnn"
+        assert select_backend("auto", KernelRequest(cuda, torch.bfloat16, 64, 64, MaskKind.CAUSAL,
+                                                    lse_grad=True)) == "triton"
+        with pytest.raises(ValueError, match="backend 'sdpa' cannot back-propagate through the returned lse"):
+            select_backend("sdpa", KernelRequest(cuda, torch.bfloat16, 64, 64, lse_grad=True))
+
+
 def test_auto_on_cpu_is_the_reference_kernel():
     assert kernels.get_kernel("auto", torch.device("cpu"), torch.bfloat16, 64).name == "reference"
     for mask in MaskKind:

@@ -131,7 +131,8 @@ def select_backend(backend: str, request: KernelRequest) -> str:
 
 def _describe(request: KernelRequest) -> str:
     return (f"{request.device.type}, {request.dtype}, head dim {request.head_dim}, value head dim "
-            f"{request.value_head_dim}, {request.mask.value}, softcap {request.softcap}")
+            f"{request.value_head_dim}, {request.mask.value}, softcap {request.softcap}, lse gradient "
+            f"{request.lse_grad}")
 
 
 def register_backend(name: str, build: Callable[[], AttentionKernel], rows: tuple[Row, ...] = ()) -> None:

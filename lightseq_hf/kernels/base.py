@@ -197,6 +197,7 @@ class KernelRequest:
     value_head_dim: int | None = None
     mask: MaskKind = MaskKind.CAUSAL
     softcap: bool = False
+    lse_grad: bool = False  # a gradient will flow through the returned lse (attention sinks, custom merges)
 
 
 
@@ -271,6 +272,8 @@ class Capabilities:
             return f"does not take {request.mask.value}"
         if request.softcap and not self.supports_softcap:
             return "does not take logit soft-capping (softcap)"
+        if request.lse_grad and self.needs_out_in_backward:
+            return "cannot back-propagate through the returned lse (its backward takes the output rows)"
         return None
 
 

@@ -179,8 +179,9 @@ def dist_flash_attn(
     _check_arguments(q, k, v, softmax_scale, schedule, backend, segments, cu_seqlens, window, softcap)
     _, world = group_rank_and_size(group)
     seg = _segments_of(segments, cu_seqlens, window, q.shape[0], q.shape[1] * world, world, q.shape[1])
+    lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], _mask_kind(causal, seg, window),
-                            softcap is not None)
+                            softcap is not None, lse_grad)
     chosen = select_backend(backend, request)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if check_shapes:
