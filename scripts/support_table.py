@@ -6,7 +6,8 @@
 Every causal-LM model type gets a row: ``works`` with the worst relative errors measured (the
 architecture test's checks: loss, aux loss, every gradient, attention calls, tiles, offload), ``refused``
 with the message ``lightseq_hf.patch`` gives, or ``not run`` (accepted, no tiny model of it ran). The
-rows are also written to ``benchmarks/results/architectures.json`` (with the date and versions); numbers of types
+rows are also written to ``benchmarks/results/architectures.json`` (with the date and versions); numbers of
+types
 not re-measured are kept from it.
 """
 

@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "lightseq_hf"
 MAX_FUNCTION_LINES = 80  # outside @triton.jit bodies
 MAX_MODULE_LINES = 500
 #: where reading the environment is the point (launch, the process's rank, Triton's interpreter switch)
-ENVIRONMENT_READERS = {"training/cli.py", "training/launch.py", "training/build.py", "kernels/triton_common.py"}
+ENVIRONMENT_READERS = {"training/cli.py", "training/launch.py", "training/build.py",
+                       "kernels/triton_common.py"}
 
 
 def _modules() -> list[tuple[str, ast.Module, str]]:

@@ -13,7 +13,8 @@
   slice); a head with extras (soft-capping, logit scaling) computes the slice's logits itself and
   the loss is taken from them. The model's own code adds what it adds (the router aux loss).
 
-Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the unpatched
+Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the
+unpatched
 model on every rank, unsharded.
 """
 
@@ -85,8 +86,8 @@ def wants_cache(use_cache: Any, cache: Any) -> bool:
 
 def with_fallback_attention(model: torch.nn.Module, call):
     """Run ``call()`` with the model's own attention implementation (the one before the patch)."""
-    warn_once("cache", "lightseq_hf: a call with a KV cache (use_cache=True, cache or past_key_values: generation, "
-              "prefill) runs the unpatched model on every rank, unsharded.")
+    warn_once("cache", "lightseq_hf: a call with a KV cache (use_cache=True, cache or past_key_values: "
+              "generation, prefill) runs the unpatched model on every rank, unsharded.")
     fallback = model.__dict__.get("_lightseq_fallback_attn")
     previous = model.config._attn_implementation
     if fallback is not None:
@@ -107,11 +108,12 @@ def warn_once(key: str, message: str) -> None:
 
 
 def check_outputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
-    given = [name for name, value in kwargs.items() if value is not None and any(w in name for w in MEDIA_WORDS)]
+    given = [name for name, value in kwargs.items()
+             if value is not None and any(word in name for word in MEDIA_WORDS)]
     if given:
-        raise ValueError(f"{', '.join(given)}: image, audio and cross-attention inputs cannot be split along the "
-                         "text sequence; a patched model takes text only. Call lightseq_hf.unpatch() to run "
-                         "the model with them.")
+        raise ValueError(f"{', '.join(given)}: image, audio and cross-attention inputs cannot be split along "
+                         "the text sequence; a patched model takes text only. Call lightseq_hf.unpatch() "
+                         "to run the model with them.")
     if kwargs.get("output_attentions", getattr(model.config, "output_attentions", False)):
         raise ValueError(
             "output_attentions=True is not supported by lightseq_hf's distributed attention: it never forms "

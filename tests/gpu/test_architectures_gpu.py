@@ -23,14 +23,16 @@ from tiny_models import make_tiny
 
 import lightseq_hf
 
-WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-              moe_intermediate_size=128, sliding_window=256, vocab_size=512, max_position_embeddings=4096)
+WIDTHS = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=64, moe_intermediate_size=128, sliding_window=256, vocab_size=512,
+              max_position_embeddings=4096)
 MODELS = {
     "gemma3_text": dict(WIDTHS, query_pre_attn_scalar=64),
     "qwen3_moe": dict(WIDTHS),
     "gpt_oss": dict(WIDTHS),
     "deepseek_v3": dict({k: v for k, v in WIDTHS.items() if k != "head_dim"}, num_key_value_heads=4,
-                        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, kv_lora_rank=64, q_lora_rank=96),
+                        qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, kv_lora_rank=64,
+                        q_lora_rank=96),
 }
 TOKENS = 2048
 
@@ -48,7 +50,8 @@ def _loss_and_grads(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, t
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.detach().double(), {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach().double(), grads
 
 
 def _errors(loss, grads, ref_loss, ref_grads) -> tuple[float, float]:
@@ -60,7 +63,8 @@ def _errors(loss, grads, ref_loss, ref_grads) -> tuple[float, float]:
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
 def test_bf16_patched_no_further_from_float64_than_unpatched(model_type, one_process_group):
-    ids = torch.randint(3, WIDTHS["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = torch.randint(3, WIDTHS["vocab_size"], (1, TOKENS), generator=torch.Generator().manual_seed(0))
+    ids = ids.cuda()
     try:
         ref = make_tiny(model_type, dtype=torch.float64, attn="eager", **MODELS[model_type]).cuda().train()
         ref_loss, ref_grads = _loss_and_grads(ref, ids)
@@ -76,6 +80,7 @@ def test_bf16_patched_no_further_from_float64_than_unpatched(model_type, one_pro
     finally:
         lightseq_hf.unpatch()
     print(f"\n{model_type}: bf16 against float64, {TOKENS} tokens: loss {patched_err[0]:.2e} patched, "
-          f"{plain_err[0]:.2e} unpatched; worst gradient {patched_err[1]:.2e} patched, {plain_err[1]:.2e} unpatched")
+          f"{plain_err[0]:.2e} unpatched; worst gradient {patched_err[1]:.2e} patched, "
+          f"{plain_err[1]:.2e} unpatched")
     assert patched_err[0] <= 2 * plain_err[0] + 2e-3
     assert patched_err[1] <= 2 * plain_err[1] + 2e-2
