@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/cpu-2proc.yaml examples/trainer_example.py \\
         [--max-steps N]
 
-``lightseq_hf.patch_llama()`` before building the model/Trainer is the only change to an ordinary
+``lightseq_hf.patch()`` before building the model/Trainer is the only change to an ordinary
 Trainer script: every rank of the (default: whole-world) sequence-parallel group gets the same batch,
 the patched model keeps its slice of each 4096-token sequence, and attention runs as DistFlashAttn
 across the ranks. The data is the synthetic passkey task of ``configs/tiny.yaml``.
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=4096)
     args = parser.parse_args()
 
-    lightseq_hf.patch_llama()  # the one line: sequence parallelism across all launched ranks
+    lightseq_hf.patch()  # the one line: sequence parallelism across all launched ranks
 
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32,

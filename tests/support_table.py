@@ -60,7 +60,7 @@ def memory_options(model) -> str:
 
     dense, other = layer_mlps(model)
     tiled = ("tiled MLP" if dense and not other else "tiled MLP (dense layers; MoE untiled)" if dense
-             else "MoE: no tiled MLP" if other else "no MLP module: no tiled MLP")
+             else "no tiled MLP (MoE or untileable MLP)" if other else "no MLP module: no tiled MLP")
     loss = "fused loss" if describe(model).fused_head else "model's head on the slice"
     checkpointing = ("remat checkpointing, offload" if model.supports_gradient_checkpointing
                      else "no checkpointing (the model has none)")
