@@ -71,7 +71,7 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
                                             "schedule_steps": state.schedule_steps}, cfg.saving.checksums)
         aside = publish(tmp, final)
         if aside is not None:
-            logger.warning(f"{final.name} already existed (from an earlier run); moved to {aside.name}")
+            logger.warning(f"{final.name} already existed (left by another run); moved to {aside.name}")
     accelerator.wait_for_everyone()
     return final
 
