@@ -14,10 +14,9 @@ methods; one GPU computing the whole sequence. Times are medians of the slowest 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import statistics
+import sys
 import traceback
 from pathlib import Path
 
@@ -25,11 +24,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import lightseq_hf
-from lightseq_hf.kernels import get_kernel
-from lightseq_hf.parallel.comm import set_transfer_mode
-from lightseq_hf.parallel.merge import empty_running
-from lightseq_hf.parallel.schedule import Task, build_schedule
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when this file is loaded by path
+
+from benchlib.ablations import transfer_mode  # noqa: E402
+from benchlib.launch import init_distributed  # noqa: E402
+from benchlib.peers import cp_inputs, forward_only, fwd_bwd, ours, torch_context_parallel  # noqa: E402
+from benchlib.plots import draw_lines, pyplot, save  # noqa: E402
+from benchlib.results import MULTICAST_ENV, ResultsFile, failure, find, results_path, run_meta  # noqa: E402
+from benchlib.timing import attention_flops, per_rank, timed  # noqa: E402
+
+import lightseq_hf  # noqa: E402
+from lightseq_hf.kernels import get_kernel  # noqa: E402
+from lightseq_hf.parallel.merge import empty_running  # noqa: E402
+from lightseq_hf.parallel.schedule import Task, build_schedule  # noqa: E402
+
+CUDA = torch.device("cuda")
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,81 +68,37 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def timed(fn, reps: int, warmup: int = 1, reduce_max: bool = True, collective: bool = True) -> float:
-    """Median milliseconds of ``fn``; with ``collective`` every rank runs it in lock-step (a barrier
-    before each repetition) and ``reduce_max`` takes the slowest rank per repetition."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        if collective:
-            dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    t = torch.tensor(times, device="cuda")
-    if collective and reduce_max:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return statistics.median(t.tolist())
+def gpu_ms(fn, reps: int, **kwargs) -> float:
+    """Median ms between CUDA events (``benchlib.timing.timed``: ranks in lock-step, the slowest)."""
+    return timed(fn, reps, CUDA, clock="cuda_events", **kwargs)
 
 
-def flops(n: int, heads: int, dim: int, with_bwd: bool) -> float:
-    """Causal attention FLOPs: forward 2*H*N^2*D (half of full), forward+backward 3.5x."""
-    fwd = 2.0 * heads * n * n * dim
-    return fwd * 3.5 if with_bwd else fwd
+def tflops_per_gpu(n: int, heads: int, dim: int, with_bwd: bool, gpus: int, ms: float) -> float:
+    return attention_flops(1, heads, n, dim, causal=True, with_bwd=with_bwd) / gpus / ms / 1e9
 
 
 def make_ours(q, k, v, dout, backend, schedule, with_bwd, group=None):
     """One forward (or forward+backward) of dist_flash_attn over ``group`` (default: the world)."""
-    kwargs = dict(backend=backend, schedule=schedule, group=group, check_shapes=False)
-
-    def run():
-        if with_bwd:
-            lightseq_hf.dist_flash_attn(q, k, v, **kwargs).backward(dout)
-            q.grad = k.grad = v.grad = None
-        else:
-            with torch.no_grad():
-                lightseq_hf.dist_flash_attn(q, k, v, **kwargs)
-    return run
+    attn = ours(backend=backend, schedule=schedule, group=group, check_shapes=False)
+    return fwd_bwd(attn, q, k, v, dout) if with_bwd else forward_only(attn, q, k, v)
 
 
-def bench_torch_cp(n, h, hk, d, reps, world, rank):
+def bench_torch_cp(n, h, hk, d, reps) -> dict:
     """torch's context_parallel over SDPA cuDNN; returns {(rotate, with_bwd): ms}."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental._attention import set_rotate_method
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    mesh = init_device_mesh("cuda", (world,))
     g = torch.Generator(device="cuda").manual_seed(7)
     results = {}
+
+    def sdpa(a, b, c):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
     for rotate in ("allgather", "alltoall"):
-        set_rotate_method(rotate)
-        # torch CP's ring runs on equal head counts: GQA key/value heads are expanded.
-        qb = torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        kb = torch.randn(1, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        vb = torch.randn(1, hk, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        kb, vb = kb.repeat_interleave(h // hk, 1), vb.repeat_interleave(h // hk, 1)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), context_parallel(
-            mesh, buffers=[qb, kb, vb], buffer_seq_dims=[2, 2, 2], no_restore_buffers={qb, kb, vb}
-        ):
+        qb, kb, vb = cp_inputs(n, h, hk, d, CUDA, g)
+        with torch_context_parallel([qb, kb, vb], [2, 2, 2], CUDA, rotate):
             dout = torch.randn_like(qb)
-            with torch.no_grad():
-                results[(rotate, False)] = timed(
-                    lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True), reps
-                )
+            results[(rotate, False)] = gpu_ms(forward_only(sdpa, qb, kb, vb), reps)
             for t in (qb, kb, vb):
                 t.requires_grad_()
-
-            def fwd_bwd():
-                F.scaled_dot_product_attention(qb, kb, vb, is_causal=True).backward(dout)
-                qb.grad = kb.grad = vb.grad = None
-
-            results[(rotate, True)] = timed(fwd_bwd, reps)
+            results[(rotate, True)] = gpu_ms(fwd_bwd(sdpa, qb, kb, vb, dout), reps)
     return results
 
 
@@ -165,13 +130,13 @@ def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
             ctx = torch.enable_grad() if with_bwd else torch.no_grad()
             with ctx:
                 try:
-                    results[("single_cudnn", with_bwd)] = timed(sdpa(with_bwd), reps, collective=False)
+                    results[("single_cudnn", with_bwd)] = gpu_ms(sdpa(with_bwd), reps, collective=False)
                 except Exception as e:  # noqa: BLE001 - recorded in the results
                     results[("single_cudnn", with_bwd)] = f"error: {e}"
                 for backend in (b for b in backends if not b.startswith("sdpa")):  # sdpa == single_cudnn
                     fn = make_ours(q, k, v, dout, backend, "balanced", with_bwd, solo_group)
                     try:
-                        results[(f"single_{backend}", with_bwd)] = timed(fn, reps, collective=False)
+                        results[(f"single_{backend}", with_bwd)] = gpu_ms(fn, reps, collective=False)
                     except Exception as e:  # noqa: BLE001
                         results[(f"single_{backend}", with_bwd)] = f"error: {e}"
         del q, k, v, dout
@@ -180,17 +145,11 @@ def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
     return results
 
 
-def per_rank_compute(q, k, v, dout, backend, reps, world, with_bwd):
+def per_rank_compute(q, k, v, dout, backend, reps, with_bwd):
     """Each rank's compute-only time (no transfers): the schedule's balance."""
-    set_transfer_mode("compute_only")
-    try:
-        ms = timed(make_ours(q, k, v, dout, backend, "balanced", with_bwd), reps, reduce_max=False)
-    finally:
-        set_transfer_mode("overlap")
-    t = torch.zeros(world, device="cuda")
-    t[dist.get_rank()] = ms
-    dist.all_reduce(t)
-    return t.tolist()
+    with transfer_mode("compute_only"):
+        ms = gpu_ms(make_ours(q, k, v, dout, backend, "balanced", with_bwd), reps, reduce_max=False)
+    return per_rank(ms, CUDA)
 
 
 def rank_tasks(world: int, rank: int, kind: str = "balanced") -> list[Task]:
@@ -231,11 +190,105 @@ def per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd):
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     tasks = rank_tasks(world, dist.get_rank())
     run, _ = make_replay(q, k, v, dout, kernel, tasks, with_bwd, q.shape[-1] ** -0.5)
-    ms = timed(run, reps, reduce_max=False)
-    t = torch.zeros(world, device="cuda")
-    t[dist.get_rank()] = ms
-    dist.all_reduce(t)
-    return t.tolist()
+    return per_rank(gpu_ms(run, reps, reduce_max=False), CUDA)
+
+
+def record_per_rank(record, row: dict, measure) -> None:
+    """A row of per-rank times: ``ms`` the slowest rank's, ``per_rank_ms`` all (or the error)."""
+    try:
+        busy = measure()
+        record({**row, "ms": max(busy), "per_rank_ms": busy})
+    except Exception:  # noqa: BLE001 - recorded in the results
+        record({**row, **failure(limit=3)})
+
+
+def ablation_variants(main_config: bool, no_ablations: bool) -> list[tuple[str, str, str]]:
+    """(row name, schedule, transfer mode) of ours and, on the main head layout, its ablations."""
+    variants = [("ours", "balanced", "overlap")]
+    if main_config and not no_ablations:
+        variants += [("ring", "ring", "overlap"), ("paper", "paper", "overlap"),
+                     ("no_overlap", "balanced", "serial")]
+    return variants
+
+
+def bench_ours(args, tensors, base: dict, world: int, reps: int, record) -> None:
+    """Ours, its ablations, per-rank compute and (``--replay``) replay rows of one length and layout."""
+    q, k, v, dout = tensors
+    n, h, d = base["seq"], base["heads"], args.dim
+    main_config = base["kv_heads"] == h
+    for with_bwd in (False, True):
+        phase = "fwd_bwd" if with_bwd else "fwd"
+        for backend in args.backends.split(","):
+            for name, schedule, mode in ablation_variants(main_config, args.no_ablations):
+                row = {**base, "impl": f"{name}_{backend}", "phase": phase}
+                try:
+                    with transfer_mode(mode):
+                        ms = gpu_ms(make_ours(q, k, v, dout, backend, schedule, with_bwd), reps)
+                    record({**row, "ms": ms, "tflops_per_gpu": tflops_per_gpu(n, h, d, with_bwd, world, ms)})
+                except Exception:  # noqa: BLE001 - recorded in the results
+                    record({**row, **failure(limit=3)})
+            record_per_rank(record, {**base, "impl": f"compute_only_{backend}", "phase": phase},
+                            lambda: per_rank_compute(q, k, v, dout, backend, reps, with_bwd))
+            if args.replay and main_config:
+                record_per_rank(record, {**base, "impl": f"replay_{backend}", "phase": phase},
+                                lambda: per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd))
+
+
+def bench_peers(args, base: dict, world: int, reps: int, solo_group, record) -> None:
+    """torch context parallel and one GPU at one length and head layout."""
+    n, h, hk, d = base["seq"], base["heads"], base["kv_heads"], args.dim
+    if not args.no_torch_cp:
+        try:
+            for (rotate, with_bwd), ms in bench_torch_cp(n, h, hk, d, reps).items():
+                record({**base, "impl": f"torch_cp_{rotate}_cudnn", "phase": "fwd_bwd" if with_bwd else "fwd",
+                        "ms": ms, "tflops_per_gpu": tflops_per_gpu(n, h, d, with_bwd, world, ms)})
+        except Exception:  # noqa: BLE001 - recorded in the results
+            record({**base, "impl": "torch_cp_cudnn", **failure(limit=4)})
+        torch.cuda.empty_cache()
+    if not args.no_single:
+        single = bench_single(n, h, hk, d, reps, dist.get_rank(), solo_group, args.backends.split(","))
+        obj = [single]
+        dist.broadcast_object_list(obj, src=0)
+        for (name, with_bwd), ms in obj[0].items():
+            row = {**base, "impl": name, "phase": "fwd_bwd" if with_bwd else "fwd"}
+            if isinstance(ms, str):
+                row["error"] = ms
+            else:
+                row.update(ms=ms, tflops_per_gpu=tflops_per_gpu(n, h, d, with_bwd, 1, ms))
+            record(row)
+
+
+def bench_length(args, n: int, heads: str, world: int, solo_group, record) -> None:
+    """Every row of one total length and head layout."""
+    rank = dist.get_rank()
+    h, hk = (int(x) for x in heads.split("/"))
+    d, local = args.dim, n // world
+    reps = args.reps if n <= 65536 else max(3, args.reps // 2)
+    g = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    opts = dict(device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    q = torch.randn(1, local, h, d, **opts)
+    k = torch.randn(1, local, hk, d, **opts)
+    v = torch.randn(1, local, hk, d, **opts)
+    dout = torch.randn_like(q)
+    base = {"seq": n, "heads": h, "kv_heads": hk}
+    bench_ours(args, (q, k, v, dout), base, world, reps, record)
+    if args.trace and n == args.trace_seq and hk == h:
+        write_trace(q, k, v, dout, args.trace_backend, Path(args.out), rank, n)
+    del q, k, v, dout
+    torch.cuda.empty_cache()
+    bench_peers(args, base, world, reps, solo_group, record)
+
+
+def gpu_order_meta(args, world: int, local_rank: int) -> dict:
+    """Run metadata, with the GPU each rank ran on (a slow GPU follows its bus id, a slow rank does not)."""
+    meta = run_meta(torch.cuda.get_device_name(), world, "nccl", "triton", env=MULTICAST_ENV)
+    meta.update(dtype="bfloat16", causal=True, head_dim=args.dim, batch=1, device_order=args.device_order)
+    gpus = [None] * world
+    props = torch.cuda.get_device_properties(local_rank)
+    dist.all_gather_object(gpus, {"cuda_index": local_rank, "pci_bus_id": getattr(props, "pci_bus_id", None),
+                                  "uuid": str(getattr(props, "uuid", ""))})
+    meta["rank_gpus"] = gpus
+    return meta
 
 
 def main() -> None:
@@ -246,124 +299,28 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if args.device_order == "reversed":
         local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count())) - 1 - local_rank
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    init_distributed("cuda", local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
     bad = [n for n in (int(x) for x in args.seqs.split(",")) if n % world]
     if bad:
         raise SystemExit(f"--seqs {bad}: every total length must split into {world} equal shards")
     solo_groups = [dist.new_group([r]) for r in range(world)]
-    backends = args.backends.split(",")
-    device_name = torch.cuda.get_device_name()
-    date = datetime.date.today().isoformat()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    slug = device_name.replace("NVIDIA ", "").replace(" ", "-").lower()
-    tag = f"-{args.tag}" if args.tag else ""
-    out_path = out_dir / f"dist-{slug}-x{world}-{date}{tag}.json"
-    rows = []
-    meta = {
-        "device": device_name, "world": world, "date": date, "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "dtype": "bfloat16", "causal": True,
-        "head_dim": args.dim, "batch": 1, "device_order": args.device_order,
-        "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
-                                               "NVSHMEM_DISABLE_NVLS")},
-    }
-    gpus = [None] * world  # which GPU each rank ran on (a slow GPU follows its bus id, a slow rank does not)
-    props = torch.cuda.get_device_properties(local_rank)
-    dist.all_gather_object(gpus, {"cuda_index": local_rank, "pci_bus_id": getattr(props, "pci_bus_id", None),
-                                  "uuid": str(getattr(props, "uuid", ""))})
-    meta["rank_gpus"] = gpus
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    out_path = results_path(args.out, "dist", torch.cuda.get_device_name(), world, args.tag)
+    meta = gpu_order_meta(args, world, local_rank)
+    results = ResultsFile(out_path, meta, lambda rows: summarize(rows, world), rank=rank)
 
     def record(row):
-        rows.append(row)
         cudnn = lightseq_hf.kernels._cache.get("sdpa_cudnn")
-        meta["cudnn_backward_fell_back_to_flash"] = getattr(cudnn, "_cudnn_backward_failed", None)
-        if rank == 0:
-            print(json.dumps(row), flush=True)
-            result = {**meta, "rows": rows, "summary": summarize(rows, world)}
-            out_path.write_text(json.dumps(result, indent=1))
+        results.meta["cudnn_backward_fell_back_to_flash"] = getattr(cudnn, "_cudnn_backward_failed", None)
+        results.record(row)
 
     for n in [int(s) for s in args.seqs.split(",")]:
         for heads in args.heads.split(","):
-            h, hk = (int(x) for x in heads.split("/"))
-            d, local = args.dim, n // world
-            reps = args.reps if n <= 65536 else max(3, args.reps // 2)
-            g = torch.Generator(device="cuda").manual_seed(1000 + rank)
-            opts = dict(device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-            q = torch.randn(1, local, h, d, **opts)
-            k = torch.randn(1, local, hk, d, **opts)
-            v = torch.randn(1, local, hk, d, **opts)
-            dout = torch.randn_like(q)
-            base = {"seq": n, "heads": h, "kv_heads": hk}
-            main_config = hk == h
-            for with_bwd in (False, True):
-                phase = "fwd_bwd" if with_bwd else "fwd"
-                for backend in backends:
-                    variants = [("ours", "balanced", "overlap")]
-                    if main_config and not args.no_ablations:
-                        variants += [("ring", "ring", "overlap"), ("paper", "paper", "overlap"),
-                                     ("no_overlap", "balanced", "serial")]
-                    for name, schedule, mode in variants:
-                        set_transfer_mode(mode)
-                        try:
-                            ms = timed(make_ours(q, k, v, dout, backend, schedule, with_bwd), reps)
-                            record({**base, "impl": f"{name}_{backend}", "phase": phase, "ms": ms,
-                                    "tflops_per_gpu": flops(n, h, d, with_bwd) / world / ms / 1e9})
-                        except Exception:  # noqa: BLE001 - recorded in the results
-                            record({**base, "impl": f"{name}_{backend}", "phase": phase,
-                                    "error": traceback.format_exc(limit=3)})
-                        finally:
-                            set_transfer_mode("overlap")
-                    try:
-                        busy = per_rank_compute(q, k, v, dout, backend, reps, world, with_bwd)
-                        record({**base, "impl": f"compute_only_{backend}", "phase": phase,
-                                "ms": max(busy), "per_rank_ms": busy})
-                    except Exception:  # noqa: BLE001
-                        record({**base, "impl": f"compute_only_{backend}", "phase": phase,
-                                "error": traceback.format_exc(limit=3)})
-                    if args.replay and main_config:
-                        try:
-                            busy = per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd)
-                            record({**base, "impl": f"replay_{backend}", "phase": phase,
-                                    "ms": max(busy), "per_rank_ms": busy})
-                        except Exception:  # noqa: BLE001
-                            record({**base, "impl": f"replay_{backend}", "phase": phase,
-                                    "error": traceback.format_exc(limit=3)})
-            if args.trace and n == args.trace_seq and main_config:
-                write_trace(q, k, v, dout, args.trace_backend, out_dir, rank, n)
-            del q, k, v, dout
-            torch.cuda.empty_cache()
-            if not args.no_torch_cp:
-                try:
-                    for (rotate, with_bwd), ms in bench_torch_cp(n, h, hk, d, reps, world, rank).items():
-                        phase = "fwd_bwd" if with_bwd else "fwd"
-                        record({**base, "impl": f"torch_cp_{rotate}_cudnn", "phase": phase, "ms": ms,
-                                "tflops_per_gpu": flops(n, h, d, with_bwd) / world / ms / 1e9})
-                except Exception:  # noqa: BLE001
-                    record({**base, "impl": "torch_cp_cudnn", "error": traceback.format_exc(limit=4)})
-                torch.cuda.empty_cache()
-            if not args.no_single:
-                single = bench_single(n, h, hk, d, reps, rank, solo_groups[rank], backends)
-                obj = [single]
-                dist.broadcast_object_list(obj, src=0)
-                for (name, with_bwd), ms in obj[0].items():
-                    row = {**base, "impl": name, "phase": "fwd_bwd" if with_bwd else "fwd"}
-                    if isinstance(ms, str):
-                        row["error"] = ms
-                    else:
-                        row.update(ms=ms, tflops_per_gpu=flops(n, h, d, with_bwd) / ms / 1e9)
-                    record(row)
+            bench_length(args, n, heads, world, solo_groups[rank], record)
     if rank == 0:
-        print(json.dumps(summarize(rows, world), indent=1))
+        print(json.dumps(summarize(results.rows, world), indent=1))
         try:
-            plot(rows, out_path.with_suffix(".png"))
+            plot(results.rows, out_path.with_suffix(".png"))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
     dist.destroy_process_group()
@@ -381,20 +338,10 @@ def write_trace(q, k, v, dout, backend, out_dir, rank, n):
     prof.export_chrome_trace(str(out_dir / f"trace-dist-{n // 1024}k-{backend}-rank{rank}.json.gz"))
 
 
-def _ms(rows, **match):
-    for r in rows:
-        if all(r.get(k) == v for k, v in match.items()) and "ms" in r:
-            return r["ms"]
-    return None
-
-
 def _per_rank(rows, **match) -> list[float] | None:
     """The per-rank milliseconds of the first matching row (compute-only rows), if every rank has one."""
-    for r in rows:
-        if all(r.get(k) == v for k, v in match.items()) and r.get("per_rank_ms"):
-            busy = r["per_rank_ms"]
-            return busy if all(x and x > 0 for x in busy) else None
-    return None
+    busy = find(rows, "per_rank_ms", **match)
+    return busy if busy and all(x and x > 0 for x in busy) else None
 
 
 def summarize(rows, world) -> dict:
@@ -404,12 +351,12 @@ def summarize(rows, world) -> dict:
     vs_cp = []
     for n in seqs:
         m = dict(seq=n, heads=32, kv_heads=32, phase="fwd_bwd")
-        ours = _ms(rows, impl="ours_sdpa_cudnn", **m)
-        ours_triton = _ms(rows, impl="ours_triton", **m)
-        cps = [_ms(rows, impl=f"torch_cp_{r}_cudnn", **m) for r in ("allgather", "alltoall")]
+        ours = find(rows, "ms", impl="ours_sdpa_cudnn", **m)
+        ours_triton = find(rows, "ms", impl="ours_triton", **m)
+        cps = [find(rows, "ms", impl=f"torch_cp_{r}_cudnn", **m) for r in ("allgather", "alltoall")]
         cps = [x for x in cps if x]
-        single = _ms(rows, impl="single_cudnn", **m)
-        compute = _ms(rows, impl="compute_only_sdpa_cudnn", **m)
+        single = find(rows, "ms", impl="single_cudnn", **m)
+        compute = find(rows, "ms", impl="compute_only_sdpa_cudnn", **m)
         entry = {}
         if ours and cps:
             entry["vs_torch_cp"] = min(cps) / ours
@@ -432,9 +379,9 @@ def summarize(rows, world) -> dict:
         replay = _per_rank(rows, impl="replay_sdpa_cudnn", **m)
         if replay:
             entry["replay_spread"] = max(replay) / min(replay) - 1
-        fwd_single = _ms(rows, impl="single_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
+        fwd_single = find(rows, "ms", impl="single_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
         for name in ("ours", "ring", "paper"):
-            t = _ms(rows, impl=f"{name}_sdpa_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
+            t = find(rows, "ms", impl=f"{name}_sdpa_cudnn", seq=n, heads=32, kv_heads=32, phase="fwd")
             if t and fwd_single:
                 entry[f"fwd_speedup_{name}"] = fwd_single / t
         summary["per_seq"][str(n)] = entry
@@ -450,26 +397,19 @@ def summarize(rows, world) -> dict:
 
 
 def plot(rows, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, phase in zip(axes, ("fwd", "fwd_bwd")):
         mha = [r for r in rows if r.get("phase") == phase and "ms" in r and r["heads"] == r["kv_heads"]]
-        impls = sorted({r["impl"] for r in mha})
-        for impl in impls:
-            pts = sorted((r["seq"], r["ms"]) for r in mha if r["impl"] == impl)
-            ax.plot([p[0] // 1024 for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        draw_lines(ax, {impl: [(r["seq"] // 1024, r["ms"]) for r in mha if r["impl"] == impl]
+                        for impl in sorted({r["impl"] for r in mha})})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("total sequence (K tokens)")
         ax.set_ylabel("ms (slowest rank)")
         ax.set_title(f"causal attention {phase}, 32 heads, d=128, bf16")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 if __name__ == "__main__":

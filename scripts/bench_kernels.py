@@ -10,21 +10,19 @@ TFLOP/s: causal forward = 2*B*H*N^2*D, non-causal 4*B*H*N^2*D, forward+backward 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+
+from benchlib.exactness import rel_err  # noqa: E402
+from benchlib.plots import draw_lines, pyplot, save  # noqa: E402
+from benchlib.results import device_slug, today, version  # noqa: E402
+from benchlib.timing import attention_flops  # noqa: E402
 
 IMPLS = ("ours", "cudnn", "flash")
-
-
-def attn_flops(b: int, h: int, n: int, d: int, causal: bool, mode: str) -> float:
-    fwd = (2.0 if causal else 4.0) * b * h * n * n * d
-    return fwd * (3.5 if mode == "fwd_bwd" else 1.0)
 
 
 def measure_ceilings(torch, do_bench) -> dict:
@@ -41,11 +39,74 @@ def measure_ceilings(torch, do_bench) -> dict:
     }
 
 
-def run(args) -> dict:
+def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool) -> dict:
+    """Closures over one shape's random bf16 inputs: ``ours_fwd``, ``ours_fwd_bwd``, ``ours_bwd`` (the
+    backward alone, of a forward made here; the only holder of its out and lse), ``sdpa_fwd(backend)``,
+    ``sdpa_fwd_bwd(backend)``; with ``sdpa_grads`` (the SDPA inputs, whose gradients the timer drops)
+    and ``rel_err_vs_flash`` (ours against SDPA flash, checked before any timing)."""
     import torch
     import torch.nn.functional as F
-    import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn_like(q)
+    scale, gqa = d**-0.5, h != hk
+    # SDPA inputs in (b, h, s, d), made contiguous outside the timed region.
+    qt, kt, vt, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+    for t in (qt, kt, vt):
+        t.requires_grad_()
+
+    def ours_fwd():
+        return kern.forward(q, k, v, causal=causal, scale=scale)
+
+    def ours_fwd_bwd():
+        o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
+        return kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+
+    def sdpa_fwd(be):
+        with sdpa_kernel(be), torch.no_grad():
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
+
+    def sdpa_fwd_bwd(be):
+        with sdpa_kernel(be):
+            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
+        o.backward(dot)
+
+    o, lse = ours_fwd()
+    err = rel_err(o.transpose(1, 2), sdpa_fwd(SDPBackend.FLASH_ATTENTION))
+    return {"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd, "sdpa_fwd": sdpa_fwd,
+            "sdpa_fwd_bwd": sdpa_fwd_bwd, "sdpa_grads": [qt, kt, vt], "rel_err_vs_flash": err,
+            "ours_bwd": lambda: kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
+
+
+def bench_shape(kern, bench, ceil: dict, n: int, h: int, hk: int, d: int, causal: bool) -> dict:
+    """One row: ours, SDPA cuDNN and SDPA flash, forward and forward+backward, at one shape."""
+    from torch.nn.attention import SDPBackend
+
+    fns = kernel_fns(kern, n, h, hk, d, causal)
+    row = {"seq": n, "heads": h, "kv_heads": hk, "head_dim": d, "causal": causal,
+           "rel_err_vs_flash": fns["rel_err_vs_flash"]}
+    row["ours_bwd_only_ms"] = bench(fns.pop("ours_bwd"))  # frees the forward's out and lse
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+    for mode in ("fwd", "fwd_bwd"):
+        sdpa = fns[f"sdpa_{mode}"]
+        ms = {"ours": bench(fns[f"ours_{mode}"])}
+        ms.update({impl: bench(lambda be=be: sdpa(be), fns["sdpa_grads"]) for impl, be in backends.items()})
+        fl = attention_flops(1, h, n, d, causal=causal, with_bwd=mode == "fwd_bwd")
+        row[mode] = {impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9} for impl, t in ms.items()}
+        for impl in backends:
+            row[mode][f"{impl}_over_ours"] = (
+                None if ms[impl] is None or ms["ours"] is None else ms[impl] / ms["ours"]
+            )
+        row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9
+    return row
+
+
+def run(args) -> dict:
+    import torch
     from triton.testing import do_bench
 
     from lightseq_hf.kernels import triton_attn
@@ -76,101 +137,16 @@ def run(args) -> dict:
         for h, hk in heads:
             for d in args.head_dims:
                 for causal in (True, False):
-                    torch.manual_seed(0)
-                    q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)
-                    k = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
-                    v = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
-                    do = torch.randn_like(q)
-                    scale = d**-0.5
-                    # SDPA inputs in (b, h, s, d), made contiguous outside the timed region.
-                    qt, kt, vt, dot = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
-                    qt.requires_grad_()
-                    kt.requires_grad_()
-                    vt.requires_grad_()
-                    gqa = h != hk
-
-                    def ours_fwd(q=q, k=k, v=v, causal=causal, scale=scale):
-                        return kern.forward(q, k, v, causal=causal, scale=scale)
-
-                    def ours_fb(q=q, k=k, v=v, do=do, causal=causal, scale=scale):
-                        o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
-                        return kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
-
-                    def sdpa_fwd(be, qt=qt, kt=kt, vt=vt, causal=causal, scale=scale, gqa=gqa):
-                        with sdpa_kernel(be), torch.no_grad():
-                            return F.scaled_dot_product_attention(
-                                qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa
-                            )
-
-                    def sdpa_fb(be, qt=qt, kt=kt, vt=vt, dot=dot, causal=causal, scale=scale, gqa=gqa):
-                        with sdpa_kernel(be):
-                            o = F.scaled_dot_product_attention(
-                                qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa
-                            )
-                        o.backward(dot)
-
-                    # Check the kernel against SDPA flash before timing it.
-                    o, lse = ours_fwd()
-                    ref = sdpa_fwd(SDPBackend.FLASH_ATTENTION)
-                    err = ((o.transpose(1, 2).float() - ref.float()).norm() / ref.float().norm()).item()
-                    del ref
-                    row = {
-                        "seq": n,
-                        "heads": h,
-                        "kv_heads": hk,
-                        "head_dim": d,
-                        "causal": causal,
-                        "rel_err_vs_flash": err,
-                    }
-                    bwd_ms = bench(
-                        lambda o=o, lse=lse, q=q, k=k, v=v, do=do, causal=causal, scale=scale: kern.backward(
-                            do, q, k, v, o, lse, causal=causal, scale=scale
-                        )
-                    )
-                    row["ours_bwd_only_ms"] = bwd_ms
-                    del o, lse
-                    for mode in ("fwd", "fwd_bwd"):
-                        ms = {
-                            "ours": bench(ours_fwd if mode == "fwd" else ours_fb),
-                            "cudnn": bench(
-                                (lambda: sdpa_fwd(SDPBackend.CUDNN_ATTENTION))
-                                if mode == "fwd"
-                                else (lambda: sdpa_fb(SDPBackend.CUDNN_ATTENTION)),
-                                [qt, kt, vt],
-                            ),
-                            "flash": bench(
-                                (lambda: sdpa_fwd(SDPBackend.FLASH_ATTENTION))
-                                if mode == "fwd"
-                                else (lambda: sdpa_fb(SDPBackend.FLASH_ATTENTION)),
-                                [qt, kt, vt],
-                            ),
-                        }
-                        fl = attn_flops(1, h, n, d, causal, mode)
-                        row[mode] = {
-                            impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9}
-                            for impl, t in ms.items()
-                        }
-                        for impl in ("cudnn", "flash"):
-                            row[mode][f"{impl}_over_ours"] = (
-                                None if ms[impl] is None or ms["ours"] is None else ms[impl] / ms["ours"]
-                            )
-                        row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9
-                    rows.append(row)
+                    rows.append(bench_shape(kern, bench, ceil, n, h, hk, d, causal))
                     if args.partial:  # survive a time limit: keep what is measured so far
                         Path(args.partial).write_text(json.dumps({"rows": rows, "ceilings": ceil}, indent=1))
-                    print(fmt_row(row), f"[{time.time() - t_start:.0f}s]", flush=True)
-                    del q, k, v, do, qt, kt, vt, dot
+                    print(fmt_row(rows[-1]), f"[{time.time() - t_start:.0f}s]", flush=True)
                     torch.cuda.empty_cache()
 
     return {
         "device": dev_name,
-        "date": datetime.date.today().isoformat(),
-        "versions": {
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(),
-        },
+        "date": today(),
+        "versions": {package: version(package) for package in ("torch", "triton", "cuda", "cudnn")},
         "config": {
             "dtype": "bfloat16",
             "batch": 1,
@@ -251,11 +227,7 @@ def fmt_row(r: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(13, 9), sharex=True)
     for i, mode in enumerate(("fwd", "fwd_bwd")):
         for j, causal in enumerate((True, False)):
@@ -270,17 +242,7 @@ def plot(res: dict, path: Path) -> None:
                         and (r["heads"] != r["kv_heads"]) == gqa
                         and r[mode][impl]
                     ]
-                    if pts:
-                        xs, ys = zip(*sorted(pts))
-                        ax.plot(
-                            xs,
-                            ys,
-                            style,
-                            color=color,
-                            marker="o",
-                            ms=3,
-                            label=f"{impl} d{d}{' GQA' if gqa else ''}",
-                        )
+                    draw_lines(ax, {f"{impl} d{d}{' GQA' if gqa else ''}": pts}, style, color=color, ms=3)
             ax.set_xscale("log", base=2)
             ax.set_title(
                 f"{'forward' if mode == 'fwd' else 'forward+backward'}, "
@@ -295,8 +257,7 @@ def plot(res: dict, path: Path) -> None:
         f"{res['device']} bf16, batch 1 ({res['date']}); matmul "
         f"{res['ceilings']['matmul_bf16_8192_tflops']:.0f} TFLOP/s"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
     print(f"wrote {path}")
 
 
@@ -315,8 +276,7 @@ def main() -> None:
         plot(json.loads(src.read_text()), src.with_suffix(".png"))
         return
     res = run(args)
-    slug = re.sub(r"[^a-z0-9]+", "-", res["device"].lower().replace("nvidia", "")).strip("-")
-    slug = slug.split("-")[0] if slug else "gpu"
+    slug = device_slug(res["device"], short=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"kernels-{slug}-{res['date']}.json"

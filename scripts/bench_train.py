@@ -28,25 +28,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import gc
 import json
 import os
 import statistics
+import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
-    "7b": (4096, 11008, 32, 32, 32, 32000),
-    "7b-gqa": (4096, 11008, 32, 32, 8, 32000),
-    "7b-33h": (4224, 11008, 32, 33, 33, 32000),  # the paper's irregular LLaMA-33H (head dim 128)
-    "tiny": (64, 128, 2, 4, 2, 128),
-}
-PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16 datasheet
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when this file is loaded by path
+
+from benchlib.launch import free_memory, init_distributed  # noqa: E402
+from benchlib.peers import torch_context_parallel  # noqa: E402
+from benchlib.plots import pyplot, save  # noqa: E402
+from benchlib.results import ResultsFile, device_name, failure, results_path, run_meta  # noqa: E402
+from benchlib.timing import matmul_peak_flops, slowest, synchronize  # noqa: E402
+from benchlib.workloads import SHAPES, build_model, llama_config  # noqa: E402
+
+from lightseq_hf import metrics  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -76,27 +77,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def model_flops(shape, n: int) -> float:
-    """Model FLOPs of one training step on one sequence of n tokens (no recompute counted)."""
-    hidden, inter, layers, heads, kv_heads, vocab = shape
-    d = hidden // heads
-    per_layer = 2 * hidden * heads * d + 2 * hidden * kv_heads * d + 3 * hidden * inter
-    dense = layers * per_layer + hidden * vocab
-    attention = layers * 3.5 * 2 * heads * n * n * d  # causal forward 2*H*N^2*D, forward+backward 3.5x
-    return 6 * dense * n + attention
-
-
-def build_model(shape, n: int, device: torch.device):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hidden, inter, layers, heads, kv_heads, vocab = shape
-    config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
-        max_position_embeddings=max(n, 4096), attn_implementation="sdpa", use_cache=False,
-    )
-    with device:
-        model = LlamaForCausalLM(config)
-    return model
+    """Model FLOPs of one training step on one sequence of n tokens (no recompute counted), as
+    ``lightseq_hf.metrics`` counts them for the fine-tune."""
+    config = llama_config(shape, n)
+    return metrics.model_flops_per_step(config, metrics.matmul_params(config), 1, n)
 
 
 def shard(model, device, cpu_offload=False):
@@ -176,13 +160,11 @@ def plan_inputs(options: set, shape, n: int, world: int, offload: bool | int = F
 
 
 
-def run_variant(variant, shape, n, steps, backend, device, rank, world, preallocate=False, tile=8192,
-                offload=False):
-    """Median step seconds, peak memory (GiB) per rank, loss, the allocator breakdown of the last step
-    and each rank's host peak (GiB) of one variant (``preallocate``: AdamW state allocated before the
-    first step)."""
+def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=8192, offload=False):
+    """One variant's sharded model (AdamW inside its step; ``preallocate``: the optimizer state allocated
+    before the first step) and its training step ``step(probe) -> loss`` on one random sequence of
+    ``n`` tokens."""
     import lightseq_hf
-    from lightseq_hf.memory import HostPeak, StepMemory
 
     base, options = parse_variant(variant)
     torch.manual_seed(0)
@@ -208,7 +190,7 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world, prealloc
 
     def step(probe):
         if base == "torch_cp":
-            loss = cp_step(model, ids, world, device, probe)
+            loss = cp_step(model, ids, device, probe)
         elif base == "single" and device.type == "cuda":
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -226,21 +208,30 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world, prealloc
         opt.zero_grad(set_to_none=True)
         return loss
 
+    return model, step
+
+
+def run_variant(variant, shape, n, steps, backend, device, world, preallocate=False, tile=8192,
+                offload=False):
+    """Median step seconds, peak memory (GiB) per rank, loss, the allocator breakdown of the last step
+    and each rank's host peak (GiB) of one variant (``preallocate``: AdamW state allocated before the
+    first step)."""
+    from lightseq_hf.memory import HostPeak, StepMemory
+
+    model, step = prepare_variant(variant, shape, n, backend, device, preallocate, tile, offload)
     times, peak_all = [], 0.0
     for i in range(steps):
-        sync(device)
+        synchronize(device)
         dist.barrier()
         probe = StepMemory(device)  # resets the peak: each step's phases on their own
         t0 = time.perf_counter()
         with HostPeak() as host:
             loss = step(probe)
-            sync(device)
+            synchronize(device)
         if i > 0 or steps == 1:
             times.append(time.perf_counter() - t0)
         if probe.marks:
             peak_all = max(peak_all, max(m["peak"] for m in probe.marks) / 2**30)
-    t = torch.tensor(times, device=device if device.type == "cuda" else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     peaks = [None] * world
     dist.all_gather_object(peaks, peak_all if device.type == "cuda" else None)
     hosts = [None] * world
@@ -248,7 +239,7 @@ def run_variant(variant, shape, n, steps, backend, device, rank, world, prealloc
     offloader = model.__dict__.get("lightseq_offloader")
     if offloader is not None:  # unpin this variant's host buffers before the next variant
         offloader.release_host_memory()
-    return statistics.median(t.tolist()), peaks, float(loss), probe.breakdown(), hosts
+    return statistics.median(slowest(times, device)), peaks, float(loss), probe.breakdown(), hosts
 
 
 def use_chunked_loss(model) -> None:
@@ -272,54 +263,22 @@ def use_chunked_loss(model) -> None:
     model.forward = types.MethodType(forward, model)
 
 
-def cp_step(model, ids, world, device, probe):
+def cp_step(model, ids, device, probe):
     """torch context parallel: shards ids/labels head-tail, ring attention inside SDPA."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    mesh = init_device_mesh(device.type, (world,))
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)  # shifted globally
     inputs, targets = ids.clone(), labels.clone()
     # No position_ids: head-tail shards would look like packed sequences to Transformers' mask
     # code; RoPE positions do not change the work.
-    kernel = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
-    with sdpa_kernel(kernel), context_parallel(
-        mesh, buffers=[inputs, targets], buffer_seq_dims=[1, 1], no_restore_buffers={inputs, targets}
-    ):
+    with torch_context_parallel([inputs, targets], [1, 1], device):
         loss = model(input_ids=inputs, shift_labels=targets).loss
         probe.mark("forward")
         loss.backward()
     return loss
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure_matmul_peak() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        a @ b
-    end.record()
-    end.synchronize()
-    return 2 * 8192**3 * 20 / (start.elapsed_time(end) / 1e3)
-
-
 def plot(paths: list[str]) -> None:
     """Step time and peak memory per variant and length, from one or more results files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     results = [json.loads(Path(p).read_text()) for p in paths]
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     labels, times, mems = [], [], []
@@ -336,8 +295,50 @@ def plot(paths: list[str]) -> None:
     for ax in axes:
         ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=90)
     fig.suptitle(f"training step, {results[0]['device']} x{results[0]['world']}, FSDP2 + AdamW, bf16")
-    fig.tight_layout()
-    fig.savefig(Path(paths[0]).with_suffix(".png"), dpi=110)
+    save(fig, Path(paths[0]).with_suffix(".png"))
+
+
+def train_meta(args, device: torch.device, world: int, peak_measured: float | None) -> dict:
+    meta = run_meta(device_name(device), world, "transformers")
+    meta.update(model=args.model, shape=SHAPES[args.model], backend=args.backend,
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                matmul_peak_tflops=peak_measured / 1e12 if peak_measured else None,
+                mfu_peak_tflops=metrics.peak_tflops(device),
+                notes="FSDP2 (bf16 params, fp32 reduce and master weights), AdamW, batch 1, gradient "
+                      "checkpointing on in every variant; times: median step of the slowest rank after "
+                      "one warm-up step")
+    return meta
+
+
+def check_variants(variants: list[str], world: int, cuda: bool) -> None:
+    for v in variants:
+        parse_variant(v)
+    if "single" in variants and world != 1:
+        raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
+    if any(v.startswith("torch_cp") for v in variants) and not cuda:
+        raise SystemExit("the 'torch_cp' variant needs GPUs: torch's context_parallel shards only the "
+                         "flash, efficient and cuDNN SDPA kernels; drop it from --variants on CPU")
+
+
+def search_max_context(args, variants, seqs, measure_row, record) -> None:
+    """Each variant climbs the lengths until a step fails (or, with ``--time-budget``, until the next
+    step would end past the budget)."""
+    start, last = time.perf_counter(), None
+    for variant in variants:
+        for n in sorted(seqs):
+            if args.time_budget and last is not None:
+                guess = last[1] * (n / last[0]) ** 2  # attention-bound: about quadratic
+                if time.perf_counter() - start + guess > args.time_budget:
+                    record({"seq": n, "variant": variant, "search": True, "skipped":
+                            f"time budget: about {guess:.0f} s per step"})
+                    break
+            t0 = time.perf_counter()
+            row = measure_row(variant, n, search=True)
+            last = (n, time.perf_counter() - t0)
+            record(row)
+            if "step_s" not in row:
+                break
+        last = None
 
 
 def main() -> None:
@@ -349,88 +350,43 @@ def main() -> None:
         merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]])
         return
     cuda = torch.cuda.is_available() and args.model != "tiny"
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device, _ = init_distributed("cuda" if cuda else "cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = SHAPES[args.model]
-    name = torch.cuda.get_device_name() if cuda else "cpu"
-    slug = name.replace("NVIDIA ", "").replace(" ", "-").lower()
-    date = datetime.date.today().isoformat()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    suffix = "".join(f"-{x}" for x in (args.model if args.model != "7b" else "", args.tag) if x)
     kind = "maxctx" if args.search_max_context or args.maxctx else "train"
-    path = out / f"{kind}-{slug}-x{world}-{date}{suffix}.json"
-    peak_measured = args.matmul_peak * 1e12 if args.matmul_peak else (measure_matmul_peak() if cuda else None)
-    import transformers
-
-    meta = {"device": name, "world": world, "date": date, "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": args.model, "shape": shape,
-            "backend": args.backend, "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-            "matmul_peak_tflops": peak_measured / 1e12 if peak_measured else None,
-            "notes": "FSDP2 (bf16 params, fp32 reduce and master weights), AdamW, batch 1, gradient "
-                     "checkpointing on in every variant; times: median step of the slowest rank after "
-                     "one warm-up step"}
+    path = results_path(args.out, kind, device_name(device), world,
+                        args.model if args.model != "7b" else "", args.tag)
+    peak_measured = args.matmul_peak * 1e12 if args.matmul_peak else (matmul_peak_flops() if cuda else None)
     rows = []
     if kind == "maxctx" and path.exists():  # several calls (one per time limit) build one file
         rows = json.loads(path.read_text())["rows"]
+    results = ResultsFile(path, train_meta(args, device, world, peak_measured),
+                          lambda rows: summarize(rows, world), rank=rank, rows=rows)
     seqs = [int(s) for s in args.seqs.split(",")]
     variants = args.variants.split(",")
-    for v in variants:
-        parse_variant(v)
-    if "single" in variants and world != 1:
-        raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
-    if any(v.startswith("torch_cp") for v in variants) and not cuda:
-        raise SystemExit("the 'torch_cp' variant needs GPUs: torch's context_parallel shards only the "
-                         "flash, efficient and cuDNN SDPA kernels; drop it from --variants on CPU")
-    if args.search_max_context:  # each variant climbs the lengths until a step fails
-        start, last = time.perf_counter(), None
-        for variant in variants:
-            for n in sorted(seqs):
-                if args.time_budget and last is not None:
-                    guess = last[1] * (n / last[0]) ** 2  # attention-bound: about quadratic
-                    if time.perf_counter() - start + guess > args.time_budget:
-                        record({"seq": n, "variant": variant, "search": True, "skipped":
-                                f"time budget: about {guess:.0f} s per step"}, rows, rank, meta, path, world)
-                        break
-                t0 = time.perf_counter()
-                row = measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=True)
-                last = (n, time.perf_counter() - t0)
-                record(row, rows, rank, meta, path, world)
-                if "step_s" not in row:
-                    break
-            last = None
+    check_variants(variants, world, cuda)
+
+    def measure_row(variant, n, search=False):
+        return measure(variant, n, args, shape, device, world, peak_measured, search=search)
+
+    if args.search_max_context:
+        search_max_context(args, variants, seqs, measure_row, results.record)
     else:
         for n in seqs:
             for variant in variants:
-                row = measure(variant, n, args, shape, device, rank, world, cuda, peak_measured)
-                record(row, rows, rank, meta, path, world)
+                results.record(measure_row(variant, n))
     if rank == 0:
-        print(json.dumps(summarize(rows, world), indent=1))
+        print(json.dumps(summarize(results.rows, world), indent=1))
     dist.destroy_process_group()
 
 
-def record(row, rows, rank, meta, path, world) -> None:
-    rows.append(row)
-    if rank == 0:
-        print(json.dumps(row), flush=True)
-        result = {**meta, "rows": rows, "summary": summarize(rows, world)}
-        path.write_text(json.dumps(result, indent=1))
-
-
-def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, search=False) -> dict:
+def measure(variant, n, args, shape, device, world, peak_measured, search=False) -> dict:
     """One variant at one length: a results row (an ``error`` entry when the step failed)."""
     row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
     try:
         base, options = parse_variant(variant)
         offload = offload_option(options, shape, n, world, device) if base in ("remat", "hf") else False
-        result = run_variant(variant, shape, n, args.steps, args.backend, device, rank, world,
+        result = run_variant(variant, shape, n, args.steps, args.backend, device, world,
                              preallocate=search, tile=args.tile, offload=offload)
         sec, peaks, loss, breakdown, host_peaks = result
         flops = model_flops(shape, n)
@@ -438,9 +394,9 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
                    optimizer_state_preallocated=search,
                    tokens_per_s=n / sec, peak_gib=peaks, loss=loss, memory_breakdown=breakdown,
                    host_peak_gib=host_peaks,
-                   mfu=flops / sec / world / PEAK_BF16)
+                   mfu=metrics.mfu(flops, sec, world, metrics.peak_tflops(device)))
         if peak_measured:
-            row["mfu_vs_measured_matmul"] = flops / sec / world / peak_measured
+            row["mfu_vs_measured_matmul"] = metrics.mfu(flops, sec, world, peak_measured / 1e12)
         if base in ("remat", "hf") and world > 1:  # the planner's prediction beside the measured peaks
             from lightseq_hf.planner import plan_memory
 
@@ -450,16 +406,10 @@ def measure(variant, n, args, shape, device, rank, world, cuda, peak_measured, s
             row.update(offload_layers=offload, planned_gpu_gib=plan.peak_gpu / 2**30,
                        planned_host_gib=plan.peak_host / 2**30)
     except Exception as err:  # noqa: BLE001 - recorded in the results
-        oom = "out of memory" in str(err)
-        row["error"] = "out of memory" if oom else traceback.format_exc(limit=4)
-        if oom:  # the allocator's account: the request, the free and the reserved-but-unused bytes
-            row["oom_message"] = str(err).splitlines()[0][:400]
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    gc.collect()  # free the variant's model and optimizer before the next one
-    if cuda:
-        torch.cuda.empty_cache()
+        # out of memory: the allocator's account (the request, the free and the reserved-but-unused bytes)
+        row.update(failure(err, limit=4))
+        free_memory(device)
+    free_memory(device)  # free the variant's model and optimizer before the next one
     return row
 
 

@@ -6,9 +6,11 @@ full, or with per-row key ranges (document / window masks); fresh or accumulatin
 Triton's own compiler and ptxas, for ``--arch`` (90: H100
 and H200, 80: A100), so a change that would not compile on a GPU fails here. ``--digest`` prints
 one hash per variant of the PTX instructions (debug lines and labels dropped): equal digests before
-and after a refactor mean the GPU runs identical code.
+and after a refactor mean the GPU runs identical code. ``--compare FILE`` checks the digests against
+a saved ``--digest`` listing and fails on any difference; ``--only`` restricts the variants.
 
-    python scripts/check_triton_compile.py --arch 90 --all-configs --digest
+    python scripts/check_triton_compile.py --arch 90 --all-configs --digest > ptx90.txt
+    python scripts/check_triton_compile.py --arch 90 --all-configs --compare ptx90.txt
 """
 
 from __future__ import annotations
@@ -90,6 +92,12 @@ def variants(dtype: str, head_dim: int, all_configs: bool):
                     yield label, kernel.fn, pointers, {**present, **cfg.kwargs}, cfg.num_warps, cfg.num_stages
 
 
+def saved_digests(path: Path) -> dict[str, str]:
+    """``{label: digest}`` of a saved ``--digest`` listing (its summary line skipped)."""
+    pairs = (line.split(" ", 1) for line in path.read_text().splitlines())
+    return {label: digest for digest, label in (p for p in pairs if len(p) == 2 and not p[0].endswith(":"))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,11 +109,18 @@ def main() -> None:
                         help="every autotune config, not only the first")
     parser.add_argument("--digest", action="store_true",
                         help="print a hash of each variant's PTX instructions")
+    parser.add_argument("--compare", type=Path, metavar="FILE",
+                        help="fail unless each digest equals its variant's in a saved --digest listing")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="compile only the variants whose label contains TEXT (repeatable: any of them)")
     args = parser.parse_args()
+    saved = saved_digests(args.compare) if args.compare else None
     target = GPUTarget("cuda", args.arch, 32)
-    count = 0
+    count, differ = 0, []
     for label, fn, pointers, constexprs, warps, stages in variants(args.dtype, args.head_dim,
                                                                    args.all_configs):
+        if args.only and not any(text in label for text in args.only):
+            continue
         source = ASTSource(fn, signature(fn, pointers, constexprs), constexprs=constexprs)
         options = {"num_warps": warps, "num_stages": stages}
         try:
@@ -113,9 +128,17 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - report which variant and stop
             raise SystemExit(f"sm_{args.arch}: {label} does not compile: {err}") from err
         count += 1
+        digest = hashlib.sha256(instructions(compiled.asm["ptx"]).encode()).hexdigest()[:16]
         if args.digest:
-            print(hashlib.sha256(instructions(compiled.asm["ptx"]).encode()).hexdigest()[:16], label)
+            print(digest, label, flush=True)
+        if saved is not None and saved.get(label) != digest:
+            differ.append(f"{label}: {saved.get(label, 'absent')} -> {digest}")
     print(f"sm_{args.arch}: {count} kernel variants compiled ({args.dtype}, head dim {args.head_dim})")
+    if differ:
+        listing = "\n".join(differ)
+        raise SystemExit(f"{len(differ)} of {count} digests differ from {args.compare}:\n{listing}")
+    if saved is not None:
+        print(f"all {count} digests equal those in {args.compare}")
 
 
 if __name__ == "__main__":

@@ -28,11 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_packed import lognormal_docs  # noqa: E402
+from benchlib.ablations import ComputeOnlyComm  # noqa: E402
+from benchlib.workloads import lognormal_docs  # noqa: E402
 
 from lightseq_hf.kernels import get_kernel  # noqa: E402
-from lightseq_hf.parallel.comm import PeerComm, set_transfer_mode  # noqa: E402
-from lightseq_hf.parallel.dist_attn import dist_attn_backward, dist_attn_forward  # noqa: E402
+from lightseq_hf.parallel.dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import (  # noqa: E402
     DEFAULT_COST,
     HAND_SET,
@@ -72,10 +72,7 @@ class TimedKernel:
         self.kernel = kernel
         self.log: list | None = None
         self.name = kernel.name
-        flags = ("supports_key_range", "merges_in_kernel", "needs_out_in_backward", "supports_doc_blocks")
-        for attr in flags:
-            if hasattr(kernel, attr):
-                setattr(self, attr, getattr(kernel, attr))
+        self.capabilities = kernel.capabilities
 
     def _call(self, kind: str, fn, args, kwargs):
         if self.log is None:
@@ -120,8 +117,8 @@ def prepare_rank(args, seg: Segments, sched, rank: int, kernel: TimedKernel, dev
     k = torch.randn(1, n, hk, args.dim, device=device, generator=g).to(dtype)
     v = torch.randn(1, n, hk, args.dim, device=device, generator=g).to(dtype)
     dout = torch.randn_like(q)
-    common = {"causal": True, "scale": args.dim ** -0.5, "schedule": sched, "rank": rank,
-              "comm": PeerComm(None, device), "kernel": kernel, "ranges": (lo, hi)}
+    common = {"scale": args.dim ** -0.5, "schedule": sched, "rank": rank,
+              "comm": ComputeOnlyComm(None, device), "kernel": kernel, "masks": TaskMasks(ranges=(lo, hi))}
     out, lse = dist_attn_forward(q, k, v, **common)
 
     def both():
@@ -194,7 +191,6 @@ def main(argv=None) -> None:
     models = {"default": DEFAULT_COST, "hand_set": HAND_SET}
     costs = {name: models[spec] if isinstance(spec, str) else TileCost(**spec)
              for name, spec in json.loads(args.costs).items()}
-    set_transfer_mode("compute_only")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "backend": args.backend, "heads": args.heads, "dim": args.dim}

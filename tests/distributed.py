@@ -67,13 +67,14 @@ def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> l
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in float64 (0 when both are zero); -inf entries must match."""
+def rel_err(x: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """||x - ref|| / max(||ref||, floor) in float64 (0 when both are zero); -inf entries must match, a NaN
+    fails. ``floor``: for a reference that is zero in exact arithmetic (its norm is rounding noise)."""
     x64, r64 = x.detach().double(), ref.detach().double()
     finite = torch.isfinite(r64)
     if not torch.equal(finite, torch.isfinite(x64)):
         return float("inf")
     x64, r64 = x64[finite], r64[finite]
-    denom = r64.norm().item()
+    denom = max(r64.norm().item(), floor)
     diff = (x64 - r64).norm().item()
     return diff / denom if denom > 0 else diff

@@ -7,11 +7,13 @@ import math
 import torch
 
 
-def attend(q, k, v, causal, window, scale):
+def attend(q, k, v, causal, window, scale, softcap=None):
     """Materialized float64 attention of one document ``(len, heads, dim)``; returns (out, lse)."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     n = q.shape[0]
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     hidden = torch.zeros(n, n, dtype=torch.bool)
@@ -26,14 +28,14 @@ def attend(q, k, v, causal, window, scale):
     return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v), lse
 
 
-def per_document_attention(q, k, v, docs, *, causal=True, window=None, scale=None):
+def per_document_attention(q, k, v, docs, *, causal=True, window=None, scale=None, softcap=None):
     """Attention of each document of ``docs`` (per batch row, ``[start, stop)`` lists) on its own.
 
     Padding tokens (in no document) get out 0 and lse -inf. Differentiable (float64).
     """
     q, k, v = q.double(), k.double(), v.double()
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    b, n, h, d = q.shape
+    b, n, h, d = *q.shape[:3], v.shape[-1]
     rows_out, rows_lse = [], []
     for r in range(b):
         outs, lses, t = [], [], 0
@@ -42,7 +44,8 @@ def per_document_attention(q, k, v, docs, *, causal=True, window=None, scale=Non
                 outs.append(torch.zeros(start - t, h, d, dtype=torch.float64))
                 lses.append(torch.full((h, start - t), -math.inf, dtype=torch.float64))
             if stop > start:
-                o, s = attend(q[r, start:stop], k[r, start:stop], v[r, start:stop], causal, window, scale)
+                o, s = attend(q[r, start:stop], k[r, start:stop], v[r, start:stop], causal, window, scale,
+                              softcap)
                 outs.append(o)
                 lses.append(s)
             t = stop

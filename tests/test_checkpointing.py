@@ -18,13 +18,12 @@ def _unpatch():
 
 
 def _step(model, ids):
+    from kernel_checks import OpCalls
     from tiny_models import loss_and_grads
 
-    from lightseq_hf.parallel import ops
-
-    before = dict(ops.call_counts)
-    loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=ids)
-    return loss, grads, {k: ops.call_counts[k] - before[k] for k in before}
+    with OpCalls() as seen:
+        loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=ids)
+    return loss, grads, seen.calls
 
 
 def test_policy_saves_only_the_distributed_attention():
@@ -40,9 +39,10 @@ def test_policy_saves_only_the_distributed_attention():
 
 
 def test_remat_checkpoint_runs_attention_once():
+    from kernel_checks import OpCalls
+
     import lightseq_hf
     from lightseq_hf.checkpoint import remat_checkpoint
-    from lightseq_hf.parallel import ops
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 16, 2, 8, generator=g, requires_grad=True) for _ in range(3))
@@ -51,12 +51,12 @@ def test_remat_checkpoint_runs_attention_once():
         return (lightseq_hf.dist_flash_attn(q.sin(), k, v) * 2).exp().sum()
 
     plain = torch.autograd.grad(block(q, k, v), (q, k, v))
-    before = ops.call_counts["forward"]
-    remat = torch.autograd.grad(remat_checkpoint(block, q, k, v), (q, k, v))
-    assert ops.call_counts["forward"] - before == 1
-    before = ops.call_counts["forward"]
-    torch.autograd.grad(torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False), (q, k, v))
-    assert ops.call_counts["forward"] - before == 2
+    with OpCalls() as seen:
+        remat = torch.autograd.grad(remat_checkpoint(block, q, k, v), (q, k, v))
+    assert seen.calls == {"forward": 1, "backward": 1}
+    with OpCalls() as seen:
+        torch.autograd.grad(torch.utils.checkpoint.checkpoint(block, q, k, v, use_reentrant=False), (q, k, v))
+    assert seen.calls == {"forward": 2, "backward": 1}
     for a, b in zip(plain, remat):
         assert torch.equal(a, b)
 

@@ -139,6 +139,101 @@ def worker_packed(rank, world):
     if world == 2:
         failures += disagreeing_segments(rank)
         failures += triton_interpreter_packed(rank, world)
+    if world <= 2:
+        failures += softcap_and_value_dim(rank, world)
+        failures += nan_stays_in_its_document(rank, world)
+    return failures
+
+
+def _compare(tag, got, refs, tol=1e-10):
+    failures = []
+    for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
+        err = rel_err(x, ref)
+        if not err <= tol:
+            failures.append(f"{tag}: {label} rel err {err:.2e}")
+    return failures
+
+
+def softcap_and_value_dim(rank, world):
+    """Logit soft-capping (packed rows, plain rows, a window) and a value head dim of its own, on the
+    reference backend ``auto`` picks for them, against per-document float64 attention; a backend without
+    softcap is refused by name on every rank before any transfer."""
+    import lightseq_hf
+    from lightseq_hf.parallel.segments import Segments
+
+    n_local = 24
+    n = n_local * world
+    docs = random_docs(torch.Generator().manual_seed(5), 2, n, pad_right=True, max_len=15)
+    cases = [("softcap, packed", docs, None, 2.5, 16), ("softcap, plain rows", None, None, 1.5, 16),
+             ("softcap, window", docs, 6, 2.5, 16), ("value dim 8, packed", docs, None, None, 8),
+             ("value dim 8, plain rows", None, None, None, 8)]
+    failures = []
+    sl = slice(rank * n_local, (rank + 1) * n_local)
+    for i, (tag, rows, window, softcap, dv) in enumerate(cases):
+        g = torch.Generator().manual_seed(400 + i)
+        q, k, v, dout = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                         for shape in ((2, n, 4, 16), (2, n, 2, 16), (2, n, 2, dv), (2, n, 4, dv)))
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        whole = rows if rows is not None else (((0, n),), ((0, n),))
+        ref_out, ref_lse = per_document_attention(*leaves, whole, window=window, scale=0.5, softcap=softcap)
+        ref_out.backward(dout)
+        mine = [t[:, sl].clone().requires_grad_() for t in (q, k, v)]
+        out, lse = lightseq_hf.dist_flash_attn(*mine, segments=None if rows is None else Segments(n, rows),
+                                               window=window, softcap=softcap, softmax_scale=0.5,
+                                               return_lse=True)
+        out.backward(dout[:, sl])
+        refs = (ref_out[:, sl], ref_lse[:, :, sl], *(t.grad[:, sl] for t in leaves))
+        failures += _compare(f"{tag} rank {rank}", (out, lse, *(t.grad for t in mine)), refs)
+    try:
+        x = torch.randn(1, n_local, 2, 64)
+        lightseq_hf.dist_flash_attn(x, x, x, softcap=3.0, backend="triton")
+        failures.append(f"rank {rank}: softcap on the triton backend was accepted")
+    except ValueError as e:
+        if "does not take logit soft-capping" not in str(e):
+            failures.append(f"rank {rank}: unhelpful softcap refusal: {e}")
+    return failures
+
+
+def nan_stays_in_its_document(rank, world):
+    """A NaN in one document's values, and in a padding token's q/k/v/dout, reaches no other document: their
+    outputs and gradients equal those of the clean inputs, padding stays out 0 / lse -inf / gradient 0, and
+    the poisoned document's rows that see the NaN are NaN (the reference kernel, ``auto`` on the CPU)."""
+    import math
+
+    import lightseq_hf
+    from lightseq_hf.parallel.segments import Segments
+
+    n_local = 24
+    n = n_local * world
+    docs = (((0, 10), (10, n - 8), (n - 8, n - 4)), ((2, n - 6),))  # (10, n - 8) crosses every shard
+    g = torch.Generator().manual_seed(11)
+    q, dout = (torch.randn(2, n, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, n, 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    poisoned = [t.clone() for t in (q, k, v, dout)]
+    poisoned[2][0, 12] = math.nan  # a value of document (10, n - 8)
+    for t in poisoned:
+        t[0, n - 2] = math.nan  # a right-padding token: q, k, v and dout
+    poisoned[0][1, 0] = math.nan  # a left-padding query of row 1
+    sl = slice(rank * n_local, (rank + 1) * n_local)
+
+    def run(q, k, v, dout):
+        mine = [t[:, sl].clone().requires_grad_() for t in (q, k, v)]
+        out, lse = lightseq_hf.dist_flash_attn(*mine, segments=Segments(n, docs), return_lse=True)
+        out.backward(dout[:, sl])
+        return [out.detach(), lse.detach().transpose(1, 2), *(t.grad for t in mine)]
+
+    clean, dirty = run(q, k, v, dout), run(*poisoned)
+    inside = torch.zeros(2, n, dtype=torch.bool)
+    inside[0, 10:n - 8] = True
+    inside = inside[:, sl]
+    failures = []
+    for label, c, d in zip(("out", "lse", "dq", "dk", "dv"), clean, dirty):
+        if not torch.equal(c[~inside], d[~inside]):
+            failures.append(f"NaN containment rank {rank}: {label} of other documents or padding changed")
+    sees = torch.zeros(2, n, dtype=torch.bool)
+    sees[0, 12:n - 8] = True
+    if not bool(torch.isnan(dirty[0][sees[:, sl]]).all()):
+        failures.append(f"NaN containment rank {rank}: rows that see the NaN value are not NaN")
     return failures
 
 

@@ -361,7 +361,8 @@ def worker_agreement(rank: int, world: int) -> list[str]:
     qg = q.clone().requires_grad_(rank == 0)
     _expect_error(failures, rank, "different requires_grad", lambda: attn(qg, q, q), "requires_grad")
 
-    # the same-batch fingerprint: one label differs at position 1008 (the old `% 1009` weight was 0 there)
+    # the same-batch fingerprint: one label differs at position 1008
+    # (a position-weighted sum mod 1009 would miss it)
     ids = torch.randint(0, 100, (1, 1100), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     if rank == 1:

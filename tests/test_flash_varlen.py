@@ -9,10 +9,18 @@ from unittest import mock
 
 import pytest
 import torch
+from distributed import rel_err
 from doc_reference import per_document_attention, random_docs
 from varlen_emulation import install
 
-from lightseq_hf.kernels import ReferenceKernel, flash_varlen, get_kernel, masked_backend
+from lightseq_hf.kernels import (
+    KernelRequest,
+    MaskKind,
+    ReferenceKernel,
+    flash_varlen,
+    get_kernel,
+    select_backend,
+)
 from lightseq_hf.kernels.base import merge_into
 from lightseq_hf.parallel.doc_blocks import doc_spans, task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
@@ -112,13 +120,6 @@ def test_mixed_causal_and_full_blocks_are_refused():
     with pytest.raises(ValueError, match="cannot mix"):
         doc_spans(Segments(8, (((0, 6),),)), 1, 6, 0, 3, True)
     assert doc_spans(Segments(8, (((0, 6),),)), 4, 6, 0, 3, True)[1] is False  # all keys seen: fine
-
-
-def rel_err(x, ref):
-    x, ref = x.detach().double(), ref.detach().double()
-    finite = torch.isfinite(ref)
-    assert torch.equal(finite, torch.isfinite(x)), "infinite entries differ"
-    return float((x[finite] - ref[finite]).norm() / ref[finite].norm().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("padded_lse", [False, True])
@@ -230,27 +231,33 @@ def test_dist_flash_attn_on_one_process_takes_the_varlen_path(monkeypatch):
         lse.sum().backward()
 
 
+def _chosen(backend, device, dtype, head_dim, mask=MaskKind.DOCUMENTS):
+    return select_backend(backend, KernelRequest(device, dtype, head_dim, head_dim, mask))
+
+
 def test_backend_selection_for_packed_rows(monkeypatch):
     cuda = torch.device("cuda")
-    assert masked_backend("auto", torch.device("cpu"), torch.bfloat16, 64) == "reference"
+    window = MaskKind.WINDOW
+    assert _chosen("auto", torch.device("cpu"), torch.bfloat16, 64) == "reference"
     with pytest.raises(ValueError, match="CUDA GPU"):
         get_kernel("flash_varlen", torch.device("cpu"))
     h100 = "NVIDIA H100 80GB HBM3"
-    with mock.patch("lightseq_hf.kernels._triton_usable", return_value=True), mock.patch(
-            "lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value=h100):
+    with mock.patch("lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value=h100):
         with mock.patch.object(flash_varlen, "usable", return_value=True):
             # Triton first (measured faster on H200); flash_varlen for head dims Triton does not compile
-            assert masked_backend("auto", cuda, torch.bfloat16, 128) == "triton"
-            assert masked_backend("auto", cuda, torch.float16, 64) == "triton"
-            assert masked_backend("auto", cuda, torch.bfloat16, 256) == "flash_varlen"
-            assert masked_backend("auto", cuda, torch.bfloat16, 256, window=64) == "reference"
-            assert masked_backend("flash_varlen", cuda, torch.bfloat16, 128) == "flash_varlen"
+            assert _chosen("auto", cuda, torch.bfloat16, 128) == "triton"
+            assert _chosen("auto", cuda, torch.float16, 64) == "triton"
+            assert _chosen("auto", cuda, torch.bfloat16, 256) == "flash_varlen"
+            assert _chosen("auto", cuda, torch.bfloat16, 256, window) == "reference"
+            assert _chosen("flash_varlen", cuda, torch.bfloat16, 128) == "flash_varlen"
             with pytest.raises(ValueError, match="sliding windows"):
-                masked_backend("flash_varlen", cuda, torch.bfloat16, 128, window=64)
-            assert masked_backend("auto", cuda, torch.bfloat16, 128, window=64) == "triton"  # windows: ranges
-            assert masked_backend("auto", cuda, torch.float32, 128) == "triton"  # half types only
-            assert masked_backend("auto", cuda, torch.bfloat16, 264) == "reference"  # beyond both
+                _chosen("flash_varlen", cuda, torch.bfloat16, 128, window)
+            assert _chosen("auto", cuda, torch.bfloat16, 128, window) == "triton"  # windows: ranges
+            assert _chosen("auto", cuda, torch.float32, 128) == "triton"  # half types only
+            assert _chosen("auto", cuda, torch.bfloat16, 264) == "reference"  # beyond both
+            assert _chosen("auto", cuda, torch.bfloat16, 128, MaskKind.CAUSAL) == "sdpa_cudnn"  # plain rows
         with mock.patch.object(flash_varlen, "usable", return_value=False):
-            assert masked_backend("auto", cuda, torch.bfloat16, 128) == "triton"  # op missing: Triton
+            assert _chosen("auto", cuda, torch.bfloat16, 128) == "triton"  # op missing: Triton
+            assert _chosen("auto", cuda, torch.bfloat16, 256) == "reference"
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         flash_varlen.check_flash_inputs(torch.zeros(1, 1, 8))

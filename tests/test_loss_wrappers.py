@@ -115,7 +115,7 @@ def _reference(how: str):
 
 def _check_wrapping(how: str) -> list[str]:
     import lightseq_hf
-    from lightseq_hf.parallel import ops, sharding
+    from lightseq_hf.parallel import fused_loss, ops
 
     ref = _reference(how)  # before patching: the unpatched model on this process alone
     model = make_model("llama", layers=LAYERS, seed=5).double()
@@ -126,7 +126,7 @@ def _check_wrapping(how: str) -> list[str]:
     model = _wrap(model, how)
 
     seen = {"fused": 0, "attention": []}
-    original_apply, original_attention = sharding._HeadCrossEntropySum.apply, ops.dist_attn_forward
+    original_apply, original_attention = fused_loss._HeadCrossEntropySum.apply, ops.dist_attn_forward
 
     def counting_apply(*args):
         seen["fused"] += 1
@@ -136,11 +136,11 @@ def _check_wrapping(how: str) -> list[str]:
         seen["attention"].append(q.shape[1])
         return original_attention(q, *args, **kwargs)
 
-    sharding._HeadCrossEntropySum.apply, ops.dist_attn_forward = counting_apply, recording_attention
+    fused_loss._HeadCrossEntropySum.apply, ops.dist_attn_forward = counting_apply, recording_attention
     try:
         got = _run(model, STEPS)
     finally:
-        sharding._HeadCrossEntropySum.apply, ops.dist_attn_forward = original_apply, original_attention
+        fused_loss._HeadCrossEntropySum.apply, ops.dist_attn_forward = original_apply, original_attention
         lightseq_hf.unpatch_llama()
     failures = []
     if seen["fused"] != STEPS:
@@ -178,7 +178,7 @@ def test_loss_under_every_wrapping():
 
 def test_fused_loss_never_reads_the_head_in_backward():
     """A head whose weight is freed after the forward (as FSDP re-shards it) still gets exact gradients."""
-    from lightseq_hf.parallel import sharding
+    from lightseq_hf.parallel import fused_loss
 
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 11, 8, generator=g, requires_grad=True)
@@ -187,11 +187,11 @@ def test_fused_loss_never_reads_the_head_in_backward():
     target[0, :4] = -100
     full = torch.nn.functional.cross_entropy(head(hidden).flatten(0, 1), target.flatten(), reduction="sum")
     ref = torch.autograd.grad(full, [hidden, head.weight, head.bias])
-    chunked = sharding.chunked_loss_sum(hidden, target, head, 13, chunk_size=6)
+    chunked = fused_loss.chunked_loss_sum(hidden, target, head, 13, chunk_size=6)
     saved = head.weight.data.clone()
     head.weight.data = torch.full_like(saved, float("nan"))  # a read in backward would poison the grads
     got = torch.autograd.grad(chunked, [hidden, head.weight, head.bias])
     assert rel_err(chunked, full) <= 1e-6
     assert max(rel_err(a, b) for a, b in zip(got, ref)) <= 1e-6
     with pytest.raises(ValueError, match="vocab_size is 12"):
-        sharding.chunked_loss_sum(hidden, target, head, 12)
+        fused_loss.chunked_loss_sum(hidden, target, head, 12)

@@ -9,6 +9,7 @@ an MLP projection ever saw.
 
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -33,13 +34,12 @@ def _enable(model, **kwargs):
 
 
 def _step(model, ids):
+    from kernel_checks import OpCalls
     from tiny_models import loss_and_grads
 
-    from lightseq_hf.parallel import ops
-
-    before = dict(ops.call_counts)
-    loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=ids)
-    return loss, grads, {k: ops.call_counts[k] - before[k] for k in before}
+    with OpCalls() as seen:
+        loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=ids)
+    return loss, grads, seen.calls
 
 
 def _rows_seen(model):
@@ -190,11 +190,20 @@ OPTIONS = [("remat", "transformers", None), ("remat", None, 5), ("remat", "patch
 
 
 def worker_memory_options(rank, world):
+    from kernel_checks import OpCalls
     from tiny_models import loss_and_grads, make_batch, make_model
 
     import lightseq_hf
     from lightseq_hf.parallel import ops
 
+    backward_heads = []  # query heads of every schedule backward (the op runs one per head group)
+    schedule_backward = ops.dist_attn_backward
+
+    def recording_backward(dout, q, *args, **kwargs):
+        backward_heads.append(q.shape[2])
+        return schedule_backward(dout, q, *args, **kwargs)
+
+    ops.dist_attn_backward = recording_backward
     failures = []
     ids, labels = make_batch(2, 37, seed=7, ignore_prefix=2)
     ref_loss, ref_grads, _ = loss_and_grads(make_model("llama", layers=LAYERS), input_ids=ids, labels=labels)
@@ -205,16 +214,16 @@ def worker_memory_options(rank, world):
         partial = offload if isinstance(offload, int) else None
         # the partial-offload case also runs the attention backward one key/value head at a time
         ops.BACKWARD_CHUNK_BYTES = 1 if partial else 2**30
-        chunks_before = dict(ops.backward_head_chunks)
+        backward_heads.clear()
         lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=partial or offload == "patch",
                                 tiled_mlp=tile)
         _enable(model, **({"offload": True} if offload == "transformers" else {}))
         if offload:
             model.lightseq_offloader.min_bytes = 0  # the tiny lse too (608 bytes)
         seen, handles = _rows_seen(model)
-        before = dict(ops.call_counts)
-        loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
-        calls = {k: ops.call_counts[k] - before[k] for k in before}
+        with OpCalls() as op_calls:
+            loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+        calls = op_calls.calls
         for h in handles:
             h.remove()
         grads = _average(grads, world)
@@ -229,9 +238,9 @@ def worker_memory_options(rank, world):
         local = -(-37 // world)
         if seen[0] != (min(tile, 2 * local) if tile else 2 * local):
             failures.append(f"{tag}: an MLP projection saw {seen[0]} token rows")
-        chunks = {c: n - chunks_before.get(c, 0) for c, n in ops.backward_head_chunks.items()}
-        want_chunks = ({2: LAYERS} if partial else {1: LAYERS}) if world > 1 else {}
-        if {c: n for c, n in chunks.items() if n} != want_chunks:
+        heads = model.config.num_attention_heads  # head groups per backward -> backwards that used them
+        chunks = {heads // h: n // (heads // h) for h, n in collections.Counter(backward_heads).items()}
+        if chunks != ({2: LAYERS} if partial and world > 1 else {1: LAYERS}):
             failures.append(f"{tag}: backward head chunks {chunks}")
         if partial:  # the first N layers offloaded (input, out, lse), the rest kept on the device
             stats = model.lightseq_offloader.stats
@@ -259,6 +268,7 @@ def worker_memory_options(rank, world):
                 failures.append(f"{tag}: fetch order {stats.fetch_order}, prefetched "
                                 f"{stats.prefetched_groups}")
     ops.BACKWARD_CHUNK_BYTES = 2**30
+    ops.dist_attn_backward = schedule_backward
     lightseq_hf.unpatch_llama()
     return failures
 

@@ -32,10 +32,10 @@ def _average(grads, world):
 
 
 def worker_exactness(rank, world):
+    from kernel_checks import OpCalls
     from tiny_models import loss_and_grads, make_batch, make_model
 
     import lightseq_hf
-    from lightseq_hf.parallel import ops
     from lightseq_hf.parallel.sharding import shard_for
 
     failures = []
@@ -59,11 +59,11 @@ def worker_exactness(rank, world):
             lightseq_hf.patch_llama(model, checkpointing="hf" if mode == "off" else mode)
             if mode != "off":  # activation_checkpointing_enable from transformers 5.2x, before: the old name
                 getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-            before = dict(ops.call_counts)
             mask = torch.ones_like(ids) if i == 0 else None  # an all-ones mask is accepted
-            loss, grads, logits = loss_and_grads(model, input_ids=ids, labels=labels, attention_mask=mask,
-                                                 **extra)
-            calls = {k: ops.call_counts[k] - before[k] for k in before}
+            with OpCalls() as seen:
+                loss, grads, logits = loss_and_grads(model, input_ids=ids, labels=labels, attention_mask=mask,
+                                                     **extra)
+            calls = seen.calls
             grads = _average(grads, world)
             if logits is not None:
                 failures.append(f"{tag}: training with labels should return logits=None")

@@ -43,19 +43,18 @@ def _args(out_dir, **overrides):
 
 def train_losses(gradient_checkpointing):
     """Per-step losses of a Trainer run on the tiny Llama; also the attention-forward count."""
+    from kernel_checks import OpCalls
     from tiny_models import make_model
     from transformers import Trainer
-
-    from lightseq_hf.parallel import ops
 
     model = make_model("llama", layers=LAYERS, seed=3)
     with tempfile.TemporaryDirectory() as out_dir:
         trainer = Trainer(model=model, args=_args(out_dir, gradient_checkpointing=gradient_checkpointing),
                           train_dataset=TokenDataset())
-        before = ops.call_counts["forward"]
-        trainer.train()
+        with OpCalls() as seen:
+            trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    return losses, ops.call_counts["forward"] - before
+    return losses, seen.calls["forward"]
 
 
 def epoch_samples(dataset):

@@ -1,24 +1,149 @@
-"""``backend="auto"`` on CUDA: the faster local kernel per GPU, from measured results.
+"""Backend selection, in one place: the registry of backends and the table ``backend="auto"`` reads.
 
-The table holds the backend that won the forward+backward comparison of
-``scripts/bench_kernels.py`` on each GPU model (see ``benchmarks/results/``). A GPU not
-in the table gets the Triton kernels when triton is importable, else SDPA.
+Every backend is a :class:`~lightseq_hf.kernels.base.KernelBase` subclass in its own module that declares
+its :class:`~lightseq_hf.kernels.base.Capabilities`. :data:`REGISTRY` names how to build each one (modules
+are imported on first use, so a backend whose package is missing costs nothing until asked for);
+:data:`TABLE` lists, in order, which backend won the measurements for a device, GPU model, mask kind and
+dtype. ``auto`` takes the first row that matches the call and whose backend's capabilities take it (head
+dims, softcap, value head dim, mask) and that can run now; the last row, the reference kernel, takes
+everything. An explicit backend is checked against the same capabilities and refused with a message that
+names what it lacks and which backends have it.
+
+Adding a backend: its module, one entry in :data:`REGISTRY`, and a row in :data:`TABLE` where it measured
+fastest (or :func:`register_backend` from outside the package).
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
-#: GPU name substring -> backend measured fastest for causal forward+backward.
-#: H100: benchmarks/results/kernels-h100-2026-11-22.json (cuDNN 1.2-1.6x our Triton kernels on every
-#: causal row); H200: benchmarks/results/dist-h200-x2-2026-11-22.json (single-GPU rows, cuDNN faster).
-MEASURED_FASTEST: dict[str, str] = {"H100": "sdpa_cudnn", "H200": "sdpa_cudnn"}
+from .base import AttentionKernel, KernelRequest, MaskKind
+
+ALL_MASKS = frozenset(MaskKind)
+DENSE = frozenset({MaskKind.CAUSAL, MaskKind.FULL})
+HALF = frozenset({torch.float16, torch.bfloat16})
 
 
-def preferred_cuda_backend(device: torch.device, *, triton_ok: bool) -> str:
-    """The backend to use on ``device`` for ``backend="auto"``."""
-    name = torch.cuda.get_device_name(device)
-    for pattern, backend in MEASURED_FASTEST.items():
-        if pattern in name and (backend != "triton" or triton_ok):
-            return backend
-    return "triton" if triton_ok else "sdpa"
+def _loader(module: str, cls: str, *args) -> Callable[[], AttentionKernel]:
+    def build() -> AttentionKernel:
+        return getattr(importlib.import_module(module, __package__), cls)(*args)
+
+    return build
+
+
+#: backend name -> how to build it (``"sdpa"`` is an alias of ``"sdpa_cudnn"``, see :data:`ALIASES`).
+REGISTRY: dict[str, Callable[[], AttentionKernel]] = {
+    "reference": _loader(".reference", "ReferenceKernel"),
+    "triton": _loader(".triton_attn", "TritonKernel"),
+    "sdpa_cudnn": _loader(".sdpa", "SdpaKernel", "cudnn"),
+    "sdpa_flash": _loader(".sdpa", "SdpaKernel", "flash"),
+    "flash_varlen": _loader(".flash_varlen", "FlashVarlenKernel"),
+}
+ALIASES = {"sdpa": "sdpa_cudnn"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """``backend`` for calls on ``device`` (``"*"``: any) whose GPU name contains ``gpu`` (``""``: any), with
+    a mask in ``masks`` and a dtype in ``dtypes`` (None: any); ``evidence`` names the measurement."""
+
+    backend: str
+    device: str = "*"
+    gpu: str = ""
+    masks: frozenset[MaskKind] = ALL_MASKS
+    dtypes: frozenset[torch.dtype] | None = None
+    evidence: str = ""
+
+    def matches(self, request: KernelRequest) -> bool:
+        if self.device != "*" and request.device.type != self.device:
+            return False
+        if self.gpu and (request.device.type != "cuda"
+                         or self.gpu not in torch.cuda.get_device_name(request.device)):
+            return False
+        if request.mask not in self.masks:
+            return False
+        return self.dtypes is None or request.dtype is None or request.dtype in self.dtypes
+
+
+#: The measured-fastest backend per (device, GPU, mask kind, dtype), first match wins; rows whose backend
+#: cannot take the call (head dim, softcap, ...) or cannot run (no triton, no varlen op) are passed over.
+TABLE: list[Row] = [
+    Row("sdpa_cudnn", "cuda", "H100", DENSE, HALF,
+        "benchmarks/results/kernels-h100-2026-11-22.json: cuDNN 1.2-1.6x our Triton kernels, causal rows"),
+    Row("sdpa_cudnn", "cuda", "H200", DENSE, HALF,
+        "benchmarks/results/dist-h200-x2-2026-11-22.json: single-GPU rows, cuDNN faster than Triton"),
+    Row("triton", "cuda", evidence="packed rows: benchmarks/results/packed-h200-x2-2026-11-22.json (faster "
+        "than flash_varlen on H200); float32 and GPUs not measured: our kernels"),
+    Row("sdpa_cudnn", "cuda", masks=DENSE, dtypes=HALF, evidence="no Triton for this head dim or build"),
+    Row("flash_varlen", "cuda", masks=frozenset({MaskKind.DOCUMENTS}), dtypes=HALF,
+        evidence="packed rows with head dims the Triton kernels do not compile"),
+    Row("reference", evidence="exact on any device, dtype, head dim and mask"),
+]
+
+_instances: dict[str, AttentionKernel] = {}
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every name ``backend=`` takes: ``"auto"``, the registered backends and their aliases."""
+    return ("auto", *REGISTRY, *ALIASES)
+
+
+def kernel_named(name: str) -> AttentionKernel:
+    """The (cached) kernel of a registered backend or alias; ImportError when its package is missing."""
+    name = ALIASES.get(name, name)
+    if name not in REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(backend_names())}.")
+    if name not in _instances:
+        _instances[name] = REGISTRY[name]()
+    return _instances[name]
+
+
+def refusal(name: str, request: KernelRequest) -> str | None:
+    """Why backend ``name`` cannot serve ``request`` (a phrase after "backend 'name'"), or None."""
+    try:
+        kernel = kernel_named(name)
+    except ImportError as err:
+        return f"needs the {err.name or 'missing'} package, which is not installed"
+    return kernel.capabilities.refusal(request) or kernel.unavailable(request.device, request.dtype)
+
+
+def select_backend(backend: str, request: KernelRequest) -> str:
+    """The registered backend that serves ``request``: the table's choice for ``"auto"``, else ``backend``
+    itself (aliases resolved) after checking it can; raises ValueError naming the problem and the fix."""
+    if backend == "auto":
+        for row in TABLE:
+            if row.backend in REGISTRY and row.matches(request) and refusal(row.backend, request) is None:
+                return row.backend
+        raise ValueError(f"no registered backend takes this call ({_describe(request)}).")
+    kernel_named(backend)  # unknown names: ValueError listing the known ones
+    name = ALIASES.get(backend, backend)
+    reason = refusal(name, request)
+    if reason is None:
+        return name
+    able = [n for n in REGISTRY if n != name and refusal(n, request) is None]
+    fix = f"use backend={' or '.join(repr(n) for n in able)} or 'auto'" if able else "use backend='auto'"
+    raise ValueError(f"backend {backend!r} {reason}; {fix}.")
+
+
+def _describe(request: KernelRequest) -> str:
+    return (f"{request.device.type}, {request.dtype}, head dim {request.head_dim}, value head dim "
+            f"{request.value_head_dim}, {request.mask.value}, softcap {request.softcap}")
+
+
+def register_backend(name: str, build: Callable[[], AttentionKernel], rows: tuple[Row, ...] = ()) -> None:
+    """Make backend ``name`` selectable: ``build()`` makes its kernel; ``rows`` go to the top of
+    :data:`TABLE` (where ``auto`` should prefer it). Replaces a backend of the same name."""
+    unregister_backend(name)
+    REGISTRY[name] = build
+    TABLE[:0] = list(rows)
+
+
+def unregister_backend(name: str) -> None:
+    """Remove backend ``name``, its rows and its cached kernel (no-op when absent)."""
+    REGISTRY.pop(name, None)
+    _instances.pop(name, None)
+    TABLE[:] = [row for row in TABLE if row.backend != name]

@@ -1,50 +1,286 @@
 """The local attention kernel contract shared by every backend.
 
-Layout: ``q`` is ``(batch, q_len, heads, head_dim)``; ``k`` and ``v`` are
-``(batch, kv_len, kv_heads, head_dim)`` with ``heads % kv_heads == 0``; query head
-``h`` reads key/value head ``h // (heads // kv_heads)`` (key/value heads are never
-replicated). ``lse`` is ``(batch, heads, q_len)``, float32, natural log.
+Layout: ``q`` is ``(batch, q_len, heads, head_dim)``; ``k`` is ``(batch, kv_len, kv_heads, head_dim)`` and
+``v`` is ``(batch, kv_len, kv_heads, value_dim)`` with ``heads % kv_heads == 0`` (``value_dim`` equals
+``head_dim`` unless the backend declares ``supports_value_head_dim``); query head ``h`` reads key/value
+head ``h // (heads // kv_heads)`` (key/value heads are never replicated). ``lse`` is
+``(batch, heads, q_len)``, float32 (float64 for float64 inputs), natural log.
 
-Document / window masks: ``key_range=(lo, hi)``, int32 ``(batch, q_len)`` each, gives every query
-row ``i`` the keys ``lo[i] <= j < hi[i]`` of this chunk (``0 <= lo, hi <= kv_len``; both
-non-decreasing along the row, so tiles outside every row's range are skipped). It replaces the
-causal rule (pass ``causal=False``). Backends that take it say so with ``supports_key_range = True``.
+The mask of one call is an :class:`AttentionMask`; a kernel takes its fields as keywords (``causal``,
+``key_range``, ``doc_blocks``, ``window``, ``softcap``: :data:`MASK_KEYWORDS`, the one list of them):
 
-Causal masking with ``q_len != kv_len`` is aligned bottom-right (flash-attn's rule):
-query row ``i`` sees key ``j`` when ``j <= i + kv_len - q_len``. A row that sees no
-key has ``lse = -inf`` and an all-zero output.
+- ``causal``: bottom-right aligned (flash-attn's rule): query row ``i`` sees key ``j`` when
+  ``j <= i + kv_len - q_len``. A row that sees no key has ``lse = -inf`` and an all-zero output.
+- ``key_range=(lo, hi)``, int32 ``(batch, q_len)`` each: row ``i`` sees keys ``lo[i] <= j < hi[i]`` of
+  this chunk (both non-decreasing along the row). Replaces ``causal`` (pass ``causal=False``).
+- ``doc_blocks``: a :class:`DocBlocks`, independent blocks of gathered rows. Replaces ``causal``.
+- ``window``: the sliding window that ``key_range`` already encodes (kernels read the ranges; the field
+  names the mask kind so that a backend without ``supports_window`` is refused by name).
+- ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after the softmax scale).
 
-forward(q, k, v, *, causal, scale, out=None, lse=None, key_range=None) -> (out, lse)
-    Without ``out``/``lse``: returns ``out`` in ``q.dtype`` and ``lse`` in float32.
-    With them (float32 running output ``(batch, q_len, heads, head_dim)`` and running
-    lse): merges this chunk's attention into them in place (the paper's Algorithm 3)
-    and returns them. A running row with ``lse = -inf`` holds nothing yet.
+Every backend declares what it takes in a :class:`Capabilities` record; :class:`KernelBase` turns the
+keywords into an :class:`AttentionMask` and refuses, naming the backend, what the record does not declare.
 
-backward(dout, q, k, v, out, lse, *, causal, scale, delta=None,
-         dq=None, dk=None, dv=None, key_range=None) -> (dq, dk, dv)
-    ``out`` and ``lse`` are the *global* results of the query rows (over every key
-    chunk), so gradients of all chunks add up to the full gradient. ``delta`` is
-    ``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)``; computed from ``out``
-    when not given (``out`` may be ``None`` when ``delta`` is given). When ``dq``/``dk``/``dv``
-    (float32) are given, the chunk's gradients are added into them in place; the others are
-    returned in float32, or in the input dtype by backends that compute them in it (SDPA).
+forward(q, k, v, *, causal, scale, out=None, lse=None, **mask) -> (out, lse)
+    Without ``out``/``lse``: returns ``out`` in ``q.dtype`` and ``lse`` in float32. With them (float32
+    running output ``(batch, q_len, heads, value_dim)`` and running lse): merges this chunk's attention
+    into them in place (the paper's Algorithm 3) and returns them. A running row with ``lse = -inf``
+    holds nothing yet.
+
+backward(dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None, **mask)
+    ``out`` and ``lse`` are the *global* results of the query rows (over every key chunk), so gradients
+    of all chunks add up to the full gradient. ``delta`` is ``rowsum(dout * out)`` as float32
+    ``(batch, heads, q_len)``; computed from ``out`` when not given (``out`` may be ``None`` when
+    ``delta`` is given, unless ``needs_out_in_backward``). When ``dq``/``dk``/``dv`` (float32) are given,
+    the chunk's gradients are added into them in place; the others are returned in float32, or in the
+    input dtype by backends that compute them in it (SDPA).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import enum
+import math
+from dataclasses import dataclass, field, fields
+from functools import cached_property
+from typing import ClassVar, Protocol
 
 import torch
 
-#: Head dims the Triton kernels compile for (padded to 128 inside); kept here so that backend
-#: selection can consult it without importing triton.
-TRITON_HEAD_DIMS = (64, 80, 96, 128)
+KeyRange = tuple[torch.Tensor, torch.Tensor]
+Rows = torch.Tensor | slice
+
+
+class MaskKind(enum.Enum):
+    """What a call's mask needs from a backend (the selection table's mask column)."""
+
+    CAUSAL = "causal masks"
+    FULL = "unmasked attention"
+    DOCUMENTS = "packed documents and padding"
+    WINDOW = "sliding windows"
+
+
+@dataclass(frozen=True, eq=False)
+class DocBlocks:
+    """Independent attention blocks of one local call.
+
+    ``q_lens[i]`` / ``k_lens[i]``: query and key rows of block ``i`` (each >= 1). ``q_rows`` / ``k_rows``:
+    which rows of the flattened ``(batch * q_len)`` queries / ``(batch * kv_len)`` keys are fed, block after
+    block (int64 index tensors on the device, or a ``slice`` when they are one contiguous run). ``cu_q`` /
+    ``cu_k``: int32 cumulative lengths on the device. ``causal``: bottom-right causal mask inside every
+    block (else each query row sees all keys of its block). Rows fed to no block see nothing.
+    """
+
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    q_rows: Rows
+    k_rows: Rows
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    causal: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.q_lens)
+
+    @property
+    def total_q(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def total_k(self) -> int:
+        return sum(self.k_lens)
+
+    @property
+    def max_q(self) -> int:
+        return max(self.q_lens, default=0)
+
+    @property
+    def max_k(self) -> int:
+        return max(self.k_lens, default=0)
+
+    @cached_property
+    def padded_lse_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, position in block) of every fed query row, int64 on the device."""
+        lens = torch.tensor(self.q_lens, dtype=torch.int64)
+        block = torch.repeat_interleave(torch.arange(self.num_blocks), lens)
+        starts = torch.tensor([0, *self.q_lens], dtype=torch.int64).cumsum(0)[:-1]
+        pos = torch.arange(self.total_q, dtype=torch.int64) - starts[block]
+        return block.to(self.cu_q.device), pos.to(self.cu_q.device)
+
+
+def make_doc_blocks(
+    q_lens: tuple[int, ...],
+    k_lens: tuple[int, ...],
+    q_rows: list[int] | range | slice,
+    k_rows: list[int] | range | slice,
+    causal: bool,
+    device: torch.device | str,
+) -> DocBlocks:
+    """A :class:`DocBlocks` from host lists (row indices become a ``slice`` when contiguous)."""
+    if len(q_lens) != len(k_lens) or min((*q_lens, *k_lens), default=1) < 1:
+        raise ValueError(
+            f"blocks need equal counts of positive query and key lengths; got {q_lens}, {k_lens}."
+        )
+
+    def rows(r, total: int) -> Rows:
+        if isinstance(r, slice):
+            return r
+        if isinstance(r, range) and r.step == 1:
+            return slice(r.start, r.stop)
+        r = list(r)
+        if len(r) != total:
+            raise ValueError(f"{len(r)} row indices for {total} rows of the blocks.")
+        if r and r == list(range(r[0], r[0] + len(r))):
+            return slice(r[0], r[0] + len(r))
+        return torch.tensor(r, dtype=torch.int64).to(device)
+
+    def cumulative(lens: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+    return DocBlocks(tuple(q_lens), tuple(k_lens), rows(q_rows, sum(q_lens)), rows(k_rows, sum(k_lens)),
+                     cumulative(q_lens), cumulative(k_lens), bool(causal))
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMask:
+    """Which keys each query row of one local call sees, and how its scores are shaped (see the module
+    docstring). ``key_range`` and ``doc_blocks`` exclude each other and replace ``causal``."""
+
+    causal: bool = False
+    key_range: KeyRange | None = None
+    doc_blocks: DocBlocks | None = None
+    window: int | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.key_range is not None and self.doc_blocks is not None:
+            raise ValueError("pass key_range or doc_blocks, not both: each describes the whole mask.")
+        if self.causal and (self.key_range is not None or self.doc_blocks is not None):
+            what = "key_range" if self.key_range is not None else "doc_blocks"
+            raise ValueError(f"{what} replaces the causal rule; pass causal=False together with {what}.")
+        if self.window is not None and self.key_range is None:
+            raise ValueError("a window travels inside key_range (the ranges encode it); pass both.")
+        check_softcap(self.softcap)
+
+    @property
+    def kind(self) -> MaskKind:
+        if self.window is not None:
+            return MaskKind.WINDOW
+        if self.key_range is not None or self.doc_blocks is not None:
+            return MaskKind.DOCUMENTS
+        return MaskKind.CAUSAL if self.causal else MaskKind.FULL
+
+    def keywords(self) -> dict:
+        """The fields as kernel keywords."""
+        return {name: getattr(self, name) for name in MASK_KEYWORDS}
+
+
+#: The mask keywords every kernel's forward and backward take (the fields of :class:`AttentionMask`).
+MASK_KEYWORDS: tuple[str, ...] = tuple(f.name for f in fields(AttentionMask))
+
+
+def check_softcap(softcap: float | None) -> None:
+    """Raise ValueError unless ``softcap`` is None or a positive finite number."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap must be a positive finite number (or None); got {softcap!r}.")
+
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """What one attention call needs from a backend, known before any mask tensor is built (``dtype`` and
+    the head dims None: not checked)."""
+
+    device: torch.device
+    dtype: torch.dtype | None = None
+    head_dim: int | None = None
+    value_head_dim: int | None = None
+    mask: MaskKind = MaskKind.CAUSAL
+    softcap: bool = False
+
+
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend takes. Selection (``autoselect``) and the refusals read only this record.
+
+    ``devices``: device types its kernels run on (None: any). ``dtypes``: input dtypes. Head dims: exactly
+    ``head_dims`` when given, else any multiple of ``head_dim_multiple`` up to ``max_head_dim`` (None: no
+    bound). ``supports_key_range`` / ``supports_doc_blocks``: the mask representations it takes (packed
+    documents need one of them); ``supports_window``: sliding windows (through ``key_range``).
+    ``supports_softcap``: logit soft-capping. ``supports_value_head_dim``: ``v`` may have another head
+    dim than ``q``/``k``. ``merges_in_kernel``: accumulate mode updates the running (out, lse) inside the
+    kernel (no separate merge pass). ``needs_out_in_backward``: backward takes the output rows, not
+    ``delta``, so no gradient flows through the returned lse.
+    """
+
+    devices: frozenset[str] | None
+    dtypes: frozenset[torch.dtype]
+    head_dims: tuple[int, ...] | None = None
+    max_head_dim: int | None = None
+    head_dim_multiple: int = 1
+    supports_key_range: bool = False
+    supports_doc_blocks: bool = False
+    supports_window: bool = False
+    supports_softcap: bool = False
+    supports_value_head_dim: bool = False
+    merges_in_kernel: bool = False
+    needs_out_in_backward: bool = False
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.supports_window and not self.supports_key_range:
+            raise ValueError("supports_window needs supports_key_range: windows travel as key ranges.")
+
+    def takes_head_dim(self, d: int) -> bool:
+        if self.head_dims is not None:
+            return d in self.head_dims
+        return d % self.head_dim_multiple == 0 and (self.max_head_dim is None or d <= self.max_head_dim)
+
+    def takes_mask(self, kind: MaskKind) -> bool:
+        if kind is MaskKind.DOCUMENTS:
+            return self.supports_key_range or self.supports_doc_blocks
+        if kind is MaskKind.WINDOW:
+            return self.supports_window
+        return True
+
+    def head_dim_text(self) -> str:
+        if self.head_dims is not None:
+            return ", ".join(map(str, self.head_dims))
+        bound = f" up to {self.max_head_dim}" if self.max_head_dim is not None else ""
+        if self.head_dim_multiple > 1:
+            return f"multiples of {self.head_dim_multiple}{bound}"
+        return f"any{bound}"
+
+    def refusal(self, request: KernelRequest) -> str | None:
+        """Why this backend cannot serve ``request`` (a phrase completing "it ..."), or None."""
+        if self.devices is not None and request.device.type not in self.devices:
+            where = " or ".join("a CUDA GPU" if d == "cuda" else f"{d} tensors" for d in sorted(self.devices))
+            return f"needs {where}; tensors are on {request.device}"
+        if request.dtype is not None and request.dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            return f"takes {names}, not {str(request.dtype).removeprefix('torch.')}"
+        if request.head_dim is not None and not self.takes_head_dim(request.head_dim):
+            return f"takes head dims {self.head_dim_text()}; got {request.head_dim}"
+        if (request.value_head_dim not in (None, request.head_dim)
+                and not self.supports_value_head_dim):
+            return (f"needs equal query/key and value head dims; got {request.head_dim} and "
+                    f"{request.value_head_dim}")
+        if not self.takes_mask(request.mask):
+            return f"does not take {request.mask.value}"
+        if request.softcap and not self.supports_softcap:
+            return "does not take logit soft-capping (softcap)"
+        return None
 
 
 class AttentionKernel(Protocol):
-    """A local (single-device) attention backend."""
+    """A local (single-device) attention backend: :class:`KernelBase` implements the keyword surface."""
 
     name: str
+    capabilities: Capabilities
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None: ...
 
     def forward(
         self,
@@ -56,6 +292,10 @@ class AttentionKernel(Protocol):
         scale: float,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        key_range: KeyRange | None = None,
+        doc_blocks: DocBlocks | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
@@ -64,7 +304,7 @@ class AttentionKernel(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        out: torch.Tensor,
+        out: torch.Tensor | None,
         lse: torch.Tensor,
         *,
         causal: bool,
@@ -73,7 +313,64 @@ class AttentionKernel(Protocol):
         dq: torch.Tensor | None = None,
         dk: torch.Tensor | None = None,
         dv: torch.Tensor | None = None,
+        key_range: KeyRange | None = None,
+        doc_blocks: DocBlocks | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+class KernelBase:
+    """Base of every backend: builds the :class:`AttentionMask` from the keywords, checks q, k, v
+    (:func:`check_qkv`), refuses what ``capabilities`` does not declare (:meth:`check_call`: the only
+    device, dtype, head-dim and mask checks a backend needs), and calls ``_forward`` / ``_backward``.
+
+    A backend sets ``name`` and ``capabilities``, implements ``_forward(q, k, v, mask, *, scale, out,
+    lse)`` and ``_backward(dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv)``, and may override
+    :meth:`unavailable` (a run-time condition: an importable package, an op in this torch build).
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+        """Why the backend cannot run on ``device`` now beyond its declared capabilities, or None."""
+        return None
+
+    def check_call(self, mask: AttentionMask, q: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise ValueError naming the backend when its capabilities do not take this call (device, dtype,
+        head dims, mask kind and representation, softcap) or it cannot run now."""
+        caps = self.capabilities
+        request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], mask.kind,
+                                mask.softcap is not None)
+        reason = caps.refusal(request) or self.unavailable(q.device, q.dtype)
+        if reason is None and mask.key_range is not None and not caps.supports_key_range:
+            reason = "does not take key_range masks (it takes packed documents as doc_blocks)"
+        if reason is None and mask.doc_blocks is not None and not caps.supports_doc_blocks:
+            reason = "does not take doc_blocks (it takes packed documents as key_range masks)"
+        if reason is not None:
+            raise ValueError(f"backend {self.name!r} {reason}; use backend='reference', or 'auto' to pick "
+                             "one that takes the call.")
+
+    def forward(self, q, k, v, *, causal, scale, out=None, lse=None, key_range=None, doc_blocks=None,
+                window=None, softcap=None):
+        mask = AttentionMask(causal, key_range, doc_blocks, window, softcap)
+        check_qkv(q, k, v)
+        self.check_call(mask, q, v)
+        return self._forward(q, k, v, mask, scale=scale, out=out, lse=lse)
+
+    def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None,
+                 key_range=None, doc_blocks=None, window=None, softcap=None):
+        mask = AttentionMask(causal, key_range, doc_blocks, window, softcap)
+        check_qkv(q, k, v)
+        self.check_call(mask, q, v)
+        return self._backward(dout, q, k, v, out, lse, mask, scale=scale, delta=delta, dq=dq, dk=dk, dv=dv)
+
+    def _forward(self, q, k, v, mask: AttentionMask, *, scale, out, lse):
+        raise NotImplementedError
+
+    def _backward(self, dout, q, k, v, out, lse, mask: AttentionMask, *, scale, delta, dq, dk, dv):
+        raise NotImplementedError
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -101,15 +398,16 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v are on different devices ({q.device}, {k.device}, {v.device}).")
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"k and v shapes disagree ({tuple(k.shape)} vs {tuple(v.shape)}); they must match."
+            f"k and v shapes disagree ({tuple(k.shape)} vs {tuple(v.shape)}); they must match in batch, "
+            "length and heads."
         )
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"batch sizes disagree: q has {q.shape[0]}, k/v have {k.shape[0]}.")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"head dims disagree: q has {q.shape[3]}, k/v have {k.shape[3]}.")
-    if q.shape[3] == 0:
+    if q.shape[3] == 0 or v.shape[3] == 0:
         raise ValueError("head_dim is 0: q, k and v need at least one feature per head.")
     heads, kv_heads = q.shape[2], k.shape[2]
     if kv_heads == 0 or heads % kv_heads != 0:
@@ -119,14 +417,10 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         )
 
 
-def check_key_range(
-    key_range: tuple[torch.Tensor, torch.Tensor] | None, q: torch.Tensor, k: torch.Tensor, causal: bool
-) -> None:
-    """Raise ValueError naming the problem when ``key_range`` does not fit the contract."""
+def check_key_range(key_range: KeyRange | None, q: torch.Tensor) -> None:
+    """Raise ValueError naming the problem when ``key_range`` does not fit ``q``."""
     if key_range is None:
         return
-    if causal:
-        raise ValueError("key_range replaces the causal rule; pass causal=False together with key_range.")
     lo, hi = key_range
     shape = (q.shape[0], q.shape[1])
     for name, t in (("lo", lo), ("hi", hi)):

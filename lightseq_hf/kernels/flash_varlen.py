@@ -18,98 +18,15 @@ This module knows nothing of documents, segments or schedules: callers build the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import lru_cache
 
 import torch
 
-from .base import check_qkv, merge_into
+from .base import Capabilities, DocBlocks, KernelBase, Rows, make_doc_blocks, merge_into
 
-Rows = torch.Tensor | slice
+__all__ = ["DocBlocks", "FlashVarlenKernel", "make_doc_blocks", "usable", "whole_rows"]
+
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True, eq=False)
-class DocBlocks:
-    """Independent attention blocks of one local call (what flash varlen takes).
-
-    ``q_lens[i]`` / ``k_lens[i]``: query and key rows of block ``i`` (each >= 1). ``q_rows`` / ``k_rows``:
-    which rows of the flattened ``(batch * q_len)`` queries / ``(batch * kv_len)`` keys are fed, block after
-    block (int64 index tensors on the device, or a ``slice`` when they are one contiguous run, so no gather
-    is needed). ``cu_q`` / ``cu_k``: int32 cumulative lengths on the device. ``causal``: bottom-right
-    causal mask inside every block (else each query row sees all keys of its block).
-    """
-
-    q_lens: tuple[int, ...]
-    k_lens: tuple[int, ...]
-    q_rows: Rows
-    k_rows: Rows
-    cu_q: torch.Tensor
-    cu_k: torch.Tensor
-    causal: bool
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.q_lens)
-
-    @property
-    def total_q(self) -> int:
-        return sum(self.q_lens)
-
-    @property
-    def total_k(self) -> int:
-        return sum(self.k_lens)
-
-    @property
-    def max_q(self) -> int:
-        return max(self.q_lens, default=0)
-
-    @property
-    def max_k(self) -> int:
-        return max(self.k_lens, default=0)
-
-    @cached_property
-    def padded_lse_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, position in block) of every fed query row, int64 on the device (for the
-        ``(blocks, heads, max_q)`` lse layout of older torch builds)."""
-        lens = torch.tensor(self.q_lens, dtype=torch.int64)
-        block = torch.repeat_interleave(torch.arange(self.num_blocks), lens)
-        starts = torch.tensor([0, *self.q_lens], dtype=torch.int64).cumsum(0)[:-1]
-        pos = torch.arange(self.total_q, dtype=torch.int64) - starts[block]
-        return block.to(self.cu_q.device), pos.to(self.cu_q.device)
-
-
-def make_doc_blocks(
-    q_lens: tuple[int, ...],
-    k_lens: tuple[int, ...],
-    q_rows: list[int] | range | slice,
-    k_rows: list[int] | range | slice,
-    causal: bool,
-    device: torch.device | str,
-) -> DocBlocks:
-    """A :class:`DocBlocks` from host lists (row indices become a ``slice`` when contiguous)."""
-    if len(q_lens) != len(k_lens) or min((*q_lens, *k_lens), default=1) < 1:
-        raise ValueError(
-            f"blocks need equal counts of positive query and key lengths; got {q_lens}, {k_lens}."
-        )
-
-    def rows(r, total: int) -> Rows:
-        if isinstance(r, slice):
-            return r
-        if isinstance(r, range) and r.step == 1:
-            return slice(r.start, r.stop)
-        r = list(r)
-        if len(r) != total:
-            raise ValueError(f"{len(r)} row indices for {total} rows of the blocks.")
-        if r and r == list(range(r[0], r[0] + len(r))):
-            return slice(r[0], r[0] + len(r))
-        return torch.tensor(r, dtype=torch.int64).to(device)
-
-    def cumulative(lens: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-
-    return DocBlocks(tuple(q_lens), tuple(k_lens), rows(q_rows, sum(q_lens)), rows(k_rows, sum(k_lens)),
-                     cumulative(q_lens), cumulative(k_lens), bool(causal))
 
 
 def whole_rows(batch: int, q_len: int, kv_len: int, causal: bool, device: torch.device | str) -> DocBlocks:
@@ -299,9 +216,7 @@ def _lse_for_op(rows_lse: torch.Tensor, blocks: DocBlocks, padded: bool) -> torc
     return out
 
 
-def _check_blocks(blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
-    if causal:
-        raise ValueError("doc_blocks replace the causal rule; pass causal=False together with doc_blocks.")
+def _check_blocks(blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor) -> None:
     rows_q, rows_k = q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
     for name, rows, total, limit in (("q_rows", blocks.q_rows, blocks.total_q, rows_q),
                                      ("k_rows", blocks.k_rows, blocks.total_k, rows_k)):
@@ -315,36 +230,35 @@ def _check_blocks(blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor, causal: b
         raise ValueError(f"doc_blocks live on {blocks.cu_q.device}; the tensors on {q.device}.")
 
 
-class FlashVarlenKernel:
+class FlashVarlenKernel(KernelBase):
     """Local attention through torch's FlashAttention-2 varlen ops, one call per task for all its blocks."""
 
     name = "flash_varlen"
-    supports_doc_blocks = True
-    needs_out_in_backward = True
-    supports_delta = False
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset(_DTYPES),
+        head_dim_multiple=8,
+        max_head_dim=256,
+        supports_doc_blocks=True,
+        needs_out_in_backward=True,
+    )
 
-    def _blocks(self, q, k, causal, doc_blocks) -> DocBlocks:
-        if doc_blocks is None:
-            return whole_rows(q.shape[0], q.shape[1], k.shape[1], causal, q.device)
-        _check_blocks(doc_blocks, q, k, causal)
-        return doc_blocks
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+        if usable(device):
+            return None
+        return ("runs torch's FlashAttention-2 varlen kernels and needs a CUDA GPU whose torch build has "
+                f"them (torch.ops.aten._flash_attention_forward); tensors are on {device}")
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-        doc_blocks: DocBlocks | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _blocks(self, q, k, mask) -> DocBlocks:
+        if mask.doc_blocks is None:
+            return whole_rows(q.shape[0], q.shape[1], k.shape[1], mask.causal, q.device)
+        _check_blocks(mask.doc_blocks, q, k)
+        return mask.doc_blocks
+
+    def _forward(self, q, k, v, mask, *, scale, out, lse):
         """``(out, lse)`` of ``q`` against ``k``/``v`` over the blocks; with ``out``/``lse`` given, merges
         the fed rows into them (other rows untouched)."""
-        check_qkv(q, k, v)
-        blocks = self._blocks(q, k, causal, doc_blocks)
+        blocks = self._blocks(q, k, mask)
         b, lq, h, d = q.shape
         accum = out is not None or lse is not None
         if accum and (out is None or lse is None):
@@ -372,26 +286,9 @@ class FlashVarlenKernel:
             rows.put_lse(lse, run_lse[0])
         return out, lse
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        delta: torch.Tensor | None = None,
-        dq: torch.Tensor | None = None,
-        dk: torch.Tensor | None = None,
-        dv: torch.Tensor | None = None,
-        doc_blocks: DocBlocks | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
         """float32 ``(dq, dk, dv)`` of this call (added into ``dq``/``dk``/``dv`` when given). ``out`` and
         ``lse`` are the query rows' global results; ``delta`` is not taken (the op recomputes it)."""
-        check_qkv(q, k, v)
         if out is None:
             raise ValueError(
                 "backend 'flash_varlen' needs the attention output in backward (not only delta)."
@@ -399,7 +296,7 @@ class FlashVarlenKernel:
         if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
             raise ValueError(f"dout and out must have q's shape {tuple(q.shape)}; got {tuple(dout.shape)}, "
                              f"{tuple(out.shape)}.")
-        blocks = self._blocks(q, k, causal, doc_blocks)
+        blocks = self._blocks(q, k, mask)
         b, lq, h, d = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         grads = []

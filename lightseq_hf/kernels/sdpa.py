@@ -13,16 +13,51 @@ import warnings
 
 import torch
 
-from .base import check_qkv, merge_into
+from .base import Capabilities, KernelBase, merge_into
 
 FLAVORS = ("cudnn", "flash")
 
 
-class SdpaKernel:
+# --- the ops (the kernel contract test replaces these two with a CPU emulation) -------------------------
+
+def sdpa_forward(flavor: str, qt, kt, vt, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of torch's fused op in the ``(batch, heads, seq, dim)`` layout; cuDNN's lse may come
+    as ``(batch, heads, seq, 1)``."""
+    if flavor == "cudnn":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            qt, kt, vt, None, True, 0.0, causal, False, scale=scale
+        )
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention(qt, kt, vt, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
+
+
+def sdpa_backward(flavor: str, dot, qt, kt, vt, ot, lse, causal: bool, scale: float):
+    """``(dq, dk, dv)`` of torch's fused op (``lse`` in the layout its forward returned)."""
+    lq, lk = qt.shape[2], kt.shape[2]
+    empty = torch.empty(0, device=qt.device)
+    if flavor == "cudnn":
+        # None stands for the undefined tensors the forward returns (no bias, not nested).
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dot, qt, kt, vt, ot, lse, empty, empty, None, None, None, lq, lk, 0.0, causal, scale=scale
+        )[:3]
+    if lse.dim() == 4:
+        lse = lse.squeeze(-1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dot, qt, kt, vt, ot, lse, None, None, lq, lk, 0.0, causal, empty, empty, scale=scale
+    )[:3]
+
+
+class SdpaKernel(KernelBase):
     """Local attention through ``aten._scaled_dot_product_{cudnn,flash}_attention``."""
 
-    needs_out_in_backward = True
-    supports_delta = False
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dim_multiple=8,
+        max_head_dim=256,
+        needs_out_in_backward=True,
+    )
 
     def __init__(self, flavor: str = "cudnn") -> None:
         if flavor not in FLAVORS:
@@ -30,17 +65,10 @@ class SdpaKernel:
         self.flavor = flavor
         self.name = f"sdpa_{flavor}"
         self._cudnn_backward_failed = False
+        self._lse_ndim = 4  # cuDNN's (b, h, s, 1) layout until a forward reports its own
 
     @staticmethod
-    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-        check_qkv(q, k, v)
-        if q.device.type != "cuda":
-            raise ValueError(f"the SDPA backends need CUDA tensors; got {q.device}. Use backend='reference'.")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
-                f"the SDPA backends take float16 or bfloat16, not {q.dtype}; cast the inputs or use "
-                "backend='reference'."
-            )
+    def _check(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
         if causal and q.shape[1] != k.shape[1]:
             raise ValueError(
                 "the SDPA backends align causal masks top-left, which differs from this library's "
@@ -52,62 +80,44 @@ class SdpaKernel:
         group = heads // t.shape[2]
         return t if group == 1 else t.repeat_interleave(group, dim=2)
 
-    def _call_forward(self, q, k, v, causal, scale):
-        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
-        if self.flavor == "cudnn":
-            res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-                qt, kt, vt, None, True, 0.0, causal, False, scale=scale
-            )
-        else:
-            res = torch.ops.aten._scaled_dot_product_flash_attention(
-                qt, kt, vt, 0.0, causal, False, scale=scale
-            )
-        return res
-
-    def forward(self, q, k, v, *, causal, scale, out=None, lse=None):
-        self._check(q, k, v, causal)
+    def _forward(self, q, k, v, mask, *, scale, out, lse):
+        self._check(q, k, mask.causal)
         h = q.shape[2]
-        res = self._call_forward(q, self._expand(k, h), self._expand(v, h), causal, scale)
-        chunk_out = res[0].transpose(1, 2)
-        self._lse_ndim = res[1].dim()  # cuDNN may return (b, h, s, 1); its backward wants the same
-        chunk_lse = res[1].reshape(q.shape[0], h, q.shape[1]).float()
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, self._expand(k, h), self._expand(v, h)))
+        res_out, res_lse = sdpa_forward(self.flavor, qt, kt, vt, mask.causal, scale)
+        chunk_out = res_out.transpose(1, 2)
+        self._lse_ndim = res_lse.dim()  # cuDNN may return (b, h, s, 1); its backward wants the same
+        chunk_lse = res_lse.reshape(q.shape[0], h, q.shape[1]).float()
         if out is None:
             return chunk_out, chunk_lse
         merge_into(out, lse, chunk_out, chunk_lse)
         return out, lse
 
-    def _cudnn_backward(self, dot, qt, kt, vt, ot, lse, lq, lk, causal, scale):
-        empty = torch.empty(0, device=qt.device)
-        # None stands for the undefined tensors the forward returns (no bias, not nested).
-        stats = lse.unsqueeze(-1) if getattr(self, "_lse_ndim", 4) == 4 else lse
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dot, qt, kt, vt, ot, stats, empty, empty, None, None, None, lq, lk, 0.0, causal, scale=scale
-        )
+    def _op_backward(self, dot, qt, kt, vt, ot, lse, causal, scale):
+        if self.flavor == "cudnn" and not self._cudnn_backward_failed:
+            stats = lse.unsqueeze(-1) if self._lse_ndim == 4 else lse
+            try:
+                return sdpa_backward("cudnn", dot, qt, kt, vt, ot, stats, causal, scale)
+            except (RuntimeError, TypeError) as err:  # an aten signature this torch does not take
+                warnings.warn(f"cuDNN attention backward failed ({err}); using the flash backward, "
+                              "which takes the same out and lse.", stacklevel=3)
+                self._cudnn_backward_failed = True
+        return sdpa_backward("flash", dot, qt, kt, vt, ot, lse, causal, scale)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None):
-        self._check(q, k, v, causal)
+    def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
+        self._check(q, k, mask.causal)
         if out is None:
             raise ValueError("the SDPA backends need the attention output in backward (not only delta).")
         b, lq, h, d = q.shape
         hk = k.shape[2]
         ke, ve = self._expand(k, h), self._expand(v, h)
         qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, ke, ve, out.to(q.dtype), dout.to(q.dtype)))
-        lse = lse.float().contiguous()
-        empty = torch.empty(0, device=q.device)
-        if self.flavor == "cudnn" and not self._cudnn_backward_failed:
-            try:
-                grads = self._cudnn_backward(dot, qt, kt, vt, ot, lse, lq, k.shape[1], causal, scale)
-            except (RuntimeError, TypeError) as err:  # an aten signature this torch does not take
-                warnings.warn(f"cuDNN attention backward failed ({err}); using the flash backward, "
-                              "which takes the same out and lse.", stacklevel=2)
-                self._cudnn_backward_failed = True
-        if self.flavor == "flash" or self._cudnn_backward_failed:
-            grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dot, qt, kt, vt, ot, lse, None, None, lq, k.shape[1], 0.0, causal, empty, empty, scale=scale
-            )
-        gq, gk, gv = (g.transpose(1, 2) for g in grads[:3])
-        if h != hk:  # each key/value head's gradient sums over its group of query heads, in float32
-            gk, gv = (g.reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=torch.float32) for g in (gk, gv))
+        gq, gk, gv = (g.transpose(1, 2) for g in self._op_backward(dot, qt, kt, vt, ot,
+                                                                    lse.float().contiguous(), mask.causal,
+                                                                    scale))
+        if h != hk:  # each key/value head's gradient sums over its group of query heads, in float32 (or 64)
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            gk, gv = (g.reshape(b, k.shape[1], hk, h // hk, d).sum(3, dtype=acc) for g in (gk, gv))
         result = []
         for given, computed in ((dq, gq), (dk, gk), (dv, gv)):
             if given is None:

@@ -9,38 +9,17 @@ and 128 are padded to a power of two inside the kernels with masks.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 
-from .base import TRITON_HEAD_DIMS, check_key_range, check_qkv
+from .base import Capabilities, KernelBase, check_key_range
 from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
 from .triton_common import LOG2E, bucket, interpreting
 from .triton_fwd import _attn_fwd
 
-SUPPORTED_HEAD_DIMS = TRITON_HEAD_DIMS
+SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check_qkv(q, k, v)
-    if q.device.type != "cuda" and not interpreting():
-        raise ValueError(
-            f"the triton backend needs CUDA tensors; got tensors on {q.device}. Move them to a GPU, set "
-            "TRITON_INTERPRET=1 (before importing triton) to run in Triton's CPU interpreter, or use "
-            "backend='reference'."
-        )
-    if q.shape[3] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"the triton backend supports head dims {SUPPORTED_HEAD_DIMS}; got {q.shape[3]}. "
-            "Use backend='reference' (any head dim) for this model."
-        )
-    if q.dtype not in _DTYPES:
-        raise ValueError(
-            f"the triton backend supports float16, bfloat16 and float32 inputs; got {q.dtype}. "
-            "Cast the inputs, or use backend='reference' for float64."
-        )
 
 
 def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
@@ -54,11 +33,6 @@ def _check_buffer(name: str, t: torch.Tensor, shape: tuple[int, ...], device: to
 def _prec(dtype: torch.dtype) -> str:
     # float32 inputs (tests, CPU interpreter) get exact float32 products, not tf32.
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _new(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Allocate an output the kernels fully overwrite (tests patch this to poison outputs with NaN)."""
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -106,11 +80,8 @@ def dkdv_split(lq: int, lk: int, kv_programs: int, device: torch.device) -> int:
     keys in a neighbour's chunk, seen by all its rows here) would run a handful of long programs on an
     otherwise idle GPU. Split the rows until there are about two programs per multiprocessor, keeping at
     least 16 query blocks of 32 rows per part. Used for key-range (document) calls only: plain causal
-    calls keep the one-part kernel. ``LIGHTSEQ_DKDV_SPLIT`` forces a count (tests).
+    calls keep the one-part kernel (``TritonKernel(dkdv_split=n)`` forces a count).
     """
-    forced = os.environ.get("LIGHTSEQ_DKDV_SPLIT")
-    if forced:
-        return max(1, int(forced))
     if device.type != "cuda":
         return 1
     programs = triton.cdiv(lk, 128) * kv_programs
@@ -125,29 +96,44 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class TritonKernel:
-    """Triton FlashAttention-2 style kernels with running-statistics accumulation."""
+class TritonKernel(KernelBase):
+    """Triton FlashAttention-2 style kernels with running-statistics accumulation.
+
+    ``dkdv_split``: a fixed number of parts for the dk/dv kernel of key-range calls (None: chosen per call
+    by :func:`dkdv_split`).
+    """
 
     name = "triton"
-    supports_key_range = True
-    merges_in_kernel = True  # accumulate mode updates a float32 running (out, lse) inside the kernel
+    capabilities = Capabilities(
+        devices=frozenset({"cuda", "cpu"}),  # cpu: in Triton's interpreter (TRITON_INTERPRET=1)
+        dtypes=frozenset(_DTYPES),
+        head_dims=SUPPORTED_HEAD_DIMS,
+        supports_key_range=True,
+        supports_window=True,
+        merges_in_kernel=True,  # accumulate mode updates a float32 running (out, lse) inside the kernel
+    )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        out: torch.Tensor | None = None,
-        lse: torch.Tensor | None = None,
-        key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __init__(self, dkdv_split: int | None = None) -> None:
+        if dkdv_split is not None and dkdv_split < 1:
+            raise ValueError(f"dkdv_split must be a positive part count (or None); got {dkdv_split}.")
+        self.dkdv_split = dkdv_split
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+        if device.type == "cuda":
+            return None
+        if not interpreting():
+            return ("needs a CUDA GPU with triton installed (or TRITON_INTERPRET=1 to run the kernels in "
+                    f"Triton's CPU interpreter); tensors are on {device}")
+        if dtype == torch.bfloat16:
+            return ("in Triton's CPU interpreter (TRITON_INTERPRET=1) computes bfloat16 wrongly (an upstream "
+                    "interpreter limitation); use float16 or float32 there, or a CUDA GPU")
+        return None
+
+    def _forward(self, q, k, v, mask, *, scale, out, lse):
         """``(out, lse)`` of ``q`` against ``k``/``v``; with ``out``/``lse`` given, merges into them.
         ``key_range``: per-row key ranges (document / window masks; tiles no row sees are skipped)."""
-        _check_inputs(q, k, v)
-        check_key_range(key_range, q, k, causal)
+        check_key_range(mask.key_range, q)
+        key_range, causal = mask.key_range, mask.causal
         k_lo, k_hi = (None, None) if key_range is None else (r.contiguous() for r in key_range)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
@@ -160,8 +146,8 @@ class TritonKernel:
             _check_buffer("running out", out, (b, lq, h, d), q.device)
             _check_buffer("running lse", lse, (b, h, lq), q.device)
         else:
-            out = _new((b, lq, h, d), q.dtype, q.device)
-            lse = _new((b, h, lq), torch.float32, q.device)
+            out = torch.empty((b, lq, h, d), dtype=q.dtype, device=q.device)
+            lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
         if lq == 0 or b == 0 or h == 0:
             return out, lse
         if lk == 0:
@@ -202,51 +188,14 @@ class TritonKernel:
         )
         return out, lse
 
-    def backward(
-        self,
-        dout: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        *,
-        causal: bool,
-        scale: float,
-        delta: torch.Tensor | None = None,
-        dq: torch.Tensor | None = None,
-        dk: torch.Tensor | None = None,
-        dv: torch.Tensor | None = None,
-        key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
         """float32 ``(dq, dk, dv)`` of this chunk (added into ``dq``/``dk``/``dv`` when given)."""
-        _check_inputs(q, k, v)
-        check_key_range(key_range, q, k, causal)
+        check_key_range(mask.key_range, q)
+        key_range, causal = mask.key_range, mask.causal
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
         dev = q.device
-        if tuple(dout.shape) != tuple(q.shape) or dout.device != dev:
-            raise ValueError(f"dout must have q's shape {tuple(q.shape)} on {dev}; got {tuple(dout.shape)}.")
-        if dout.dtype != q.dtype:
-            raise ValueError(f"dout dtype {dout.dtype} differs from q's {q.dtype}; cast dout to q's dtype.")
-        if tuple(lse.shape) != (b, h, lq) or lse.device != dev:
-            raise ValueError(f"lse must have shape {(b, h, lq)} on {dev}; got {tuple(lse.shape)}.")
-        if delta is None:
-            if tuple(out.shape) != tuple(q.shape) or out.device != dev:
-                raise ValueError(f"out must have q's shape {tuple(q.shape)}; got {tuple(out.shape)}.")
-        else:
-            _check_buffer("delta", delta, (b, h, lq), dev)
-        if (dk is None) != (dv is None):
-            raise ValueError("pass dk and dv together (both or neither): they share one kernel.")
-        grads = []
-        shapes = (("dq", dq, (b, lq, h, d)), ("dk", dk, (b, lk, hk, d)), ("dv", dv, (b, lk, hk, d)))
-        for name, given, shape in shapes:
-            if given is None:
-                grads.append(_new(shape, torch.float32, dev))
-            else:
-                _check_buffer(name, given, shape, dev)
-                grads.append(given)
-        dq_t, dk_t, dv_t = grads
+        dq_t, dk_t, dv_t = _backward_buffers(dout, q, k, out, lse, delta, dq, dk, dv)
         if lq == 0 or lk == 0 or b == 0 or h == 0:
             for given, t in ((dq, dq_t), (dk, dk_t), (dv, dv_t)):
                 if given is None:
@@ -258,21 +207,7 @@ class TritonKernel:
         _ensure_allocator(dev)
         d_pad = triton.next_power_of_2(d)
         if delta is None:
-            delta = _new((b, h, lq), torch.float32, dev)
-            block = 16 if interpreting() else 64
-            _delta_kernel[(triton.cdiv(lq, block), h, b)](
-                out,
-                dout,
-                delta,
-                *_s(out),
-                *_s(dout),
-                *_s(delta),
-                lq,
-                HEAD_DIM=d,
-                D_PAD=d_pad,
-                BLOCK_M=block,
-                num_warps=4,
-            )
+            delta = _delta(out, dout, d_pad)
         common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype),
                   "RANGED": key_range is not None}
         k_lo = k_hi = q_lo = q_hi = None
@@ -280,70 +215,139 @@ class TritonKernel:
             k_lo, k_hi = key_range[0].contiguous(), key_range[1].contiguous()
             q_lo, q_hi = query_ranges(k_lo, k_hi, lk)
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
-
-        split = dkdv_split(lq, lk, hk * b, dev) if key_range is not None else 1
-
-        def grid_kv(meta):
-            return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b * split)
-
-        if split > 1:  # each part writes its own dk/dv, summed below
-            dk_out = torch.empty((b * split, lk, hk, d), dtype=torch.float32, device=dev)
-            dv_out = torch.empty_like(dk_out)
-        else:
-            dk_out, dv_out = dk_t, dv_t
-        _attn_bwd_dkdv[grid_kv](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dk_out,
-            dv_out,
-            k_lo,
-            k_hi,
-            q_lo,
-            q_hi,
-            *_s(q),
-            *_s(k),
-            *_s(v),
-            *_s(dout),
-            *_s(lse),
-            *_s(delta),
-            *_s(dk_out),
-            *_s(dv_out),
-            *lens,
-            split,
-            ACCUM=dk is not None and split == 1,
-            **common,
-        )
-        if split > 1:
-            for given, out_t, parts in ((dk, dk_t, dk_out), (dv, dv_t, dv_out)):
-                total = parts.view(b, split, lk, hk, d).sum(1)
-                out_t.add_(total) if given is not None else out_t.copy_(total)
-
-        def grid_q(meta):
-            return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
-
-        _attn_bwd_dq[grid_q](
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta,
-            dq_t,
-            k_lo,
-            k_hi,
-            *_s(q),
-            *_s(k),
-            *_s(v),
-            *_s(dout),
-            *_s(lse),
-            *_s(delta),
-            *_s(dq_t),
-            *lens,
-            ACCUM=dq is not None,
-            **common,
-        )
+        split = 1
+        if key_range is not None:
+            split = self.dkdv_split or dkdv_split(lq, lk, hk * b, dev)
+        _dkdv(q, k, v, dout, lse, delta, (dk_t, dk is not None), (dv_t, dv is not None),
+              (k_lo, k_hi, q_lo, q_hi), lens, split, common)
+        _dq(q, k, v, dout, lse, delta, dq_t, dq is not None, (k_lo, k_hi), lens, common)
         return dq_t, dk_t, dv_t
+
+
+def _backward_buffers(dout, q, k, out, lse, delta, dq, dk, dv) -> tuple[torch.Tensor, ...]:
+    """Check the backward's inputs and buffers; the float32 ``(dq, dk, dv)`` to write (given or new)."""
+    b, lq, h, d = q.shape
+    lk, hk = k.shape[1], k.shape[2]
+    dev = q.device
+    if tuple(dout.shape) != tuple(q.shape) or dout.device != dev:
+        raise ValueError(f"dout must have q's shape {tuple(q.shape)} on {dev}; got {tuple(dout.shape)}.")
+    if dout.dtype != q.dtype:
+        raise ValueError(f"dout dtype {dout.dtype} differs from q's {q.dtype}; cast dout to q's dtype.")
+    if tuple(lse.shape) != (b, h, lq) or lse.device != dev:
+        raise ValueError(f"lse must have shape {(b, h, lq)} on {dev}; got {tuple(lse.shape)}.")
+    if delta is None:
+        if tuple(out.shape) != tuple(q.shape) or out.device != dev:
+            raise ValueError(f"out must have q's shape {tuple(q.shape)}; got {tuple(out.shape)}.")
+    else:
+        _check_buffer("delta", delta, (b, h, lq), dev)
+    if (dk is None) != (dv is None):
+        raise ValueError("pass dk and dv together (both or neither): they share one kernel.")
+    grads = []
+    shapes = (("dq", dq, (b, lq, h, d)), ("dk", dk, (b, lk, hk, d)), ("dv", dv, (b, lk, hk, d)))
+    for name, given, shape in shapes:
+        if given is None:
+            grads.append(torch.empty(shape, dtype=torch.float32, device=dev))
+        else:
+            _check_buffer(name, given, shape, dev)
+            grads.append(given)
+    return tuple(grads)
+
+
+def _delta(out: torch.Tensor, dout: torch.Tensor, d_pad: int) -> torch.Tensor:
+    """``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)``, by the Triton delta kernel."""
+    b, lq, h, d = dout.shape
+    delta = torch.empty((b, h, lq), dtype=torch.float32, device=dout.device)
+    block = 16 if interpreting() else 64
+    _delta_kernel[(triton.cdiv(lq, block), h, b)](
+        out,
+        dout,
+        delta,
+        *_s(out),
+        *_s(dout),
+        *_s(delta),
+        lq,
+        HEAD_DIM=d,
+        D_PAD=d_pad,
+        BLOCK_M=block,
+        num_warps=4,
+    )
+    return delta
+
+
+def _dkdv(q, k, v, dout, lse, delta, dk, dv, ranges, lens, split, common) -> None:
+    """The dk/dv kernel into ``dk = (buffer, accumulate)`` / ``dv``; with ``split`` parts, each part writes
+    its own partial dk/dv, summed after. ``ranges``: ``(k_lo, k_hi, q_lo, q_hi)`` (Nones without ranges)."""
+    (dk_t, add_dk), (dv_t, add_dv) = dk, dv
+    k_lo, k_hi, q_lo, q_hi = ranges
+    b, lk, hk, d = k.shape
+    dev = q.device
+
+    def grid_kv(meta):
+        return (triton.cdiv(lk, meta["BLOCK_N"]), hk, b * split)
+
+    if split > 1:  # each part writes its own dk/dv, summed below
+        dk_out = torch.empty((b * split, lk, hk, d), dtype=torch.float32, device=dev)
+        dv_out = torch.empty_like(dk_out)
+    else:
+        dk_out, dv_out = dk_t, dv_t
+    _attn_bwd_dkdv[grid_kv](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dk_out,
+        dv_out,
+        k_lo,
+        k_hi,
+        q_lo,
+        q_hi,
+        *_s(q),
+        *_s(k),
+        *_s(v),
+        *_s(dout),
+        *_s(lse),
+        *_s(delta),
+        *_s(dk_out),
+        *_s(dv_out),
+        *lens,
+        split,
+        ACCUM=add_dk and split == 1,
+        **common,
+    )
+    if split > 1:
+        for add, out_t, parts in ((add_dk, dk_t, dk_out), (add_dv, dv_t, dv_out)):
+            total = parts.view(b, split, lk, hk, d).sum(1)
+            out_t.add_(total) if add else out_t.copy_(total)
+
+
+def _dq(q, k, v, dout, lse, delta, dq_t, add, ranges, lens, common) -> None:
+    """The dq kernel into ``dq_t`` (added to it when ``add``); ``ranges``: ``(k_lo, k_hi)`` or Nones."""
+    b, lq, h, _ = q.shape
+    k_lo, k_hi = ranges
+
+    def grid_q(meta):
+        return (triton.cdiv(lq, meta["BLOCK_M"]), h, b)
+
+    _attn_bwd_dq[grid_q](
+        q,
+        k,
+        v,
+        dout,
+        lse,
+        delta,
+        dq_t,
+        k_lo,
+        k_hi,
+        *_s(q),
+        *_s(k),
+        *_s(v),
+        *_s(dout),
+        *_s(lse),
+        *_s(delta),
+        *_s(dq_t),
+        *lens,
+        ACCUM=add,
+        **common,
+    )

@@ -10,7 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, in_range, key_ranges, ranged_tiles, row_tiles, tune_bench, visible
+from .triton_common import (
+    RCP_LN2,
+    configs,
+    in_range,
+    key_block_bounds,
+    ranged_tiles,
+    row_tiles,
+    tune_bench,
+    visible,
+)
 
 DKDV_CONFIGS = configs(
     [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
@@ -23,26 +32,12 @@ DQ_CONFIGS = configs(
 
 
 @triton.jit
-def _delta_kernel(
-    Out,
-    DOut,
-    Delta,
-    sob,
-    sos,
-    soh,
-    sod,
-    sdb,
-    sds,
-    sdh,
-    sdd,
-    seb,
-    seh,
-    ses,
-    Lq,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
+def _delta_kernel(Out, DOut, Delta,  #
+                  sob, sos, soh, sod,  #
+                  sdb, sds, sdh, sdd,  #
+                  seb, seh, ses,  #
+                  Lq,  #
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """``delta = rowsum(dout * out)`` in float32, (batch, heads, q_len)."""
     m0 = tl.program_id(0) * BLOCK_M
     h = tl.program_id(1).to(tl.int64)
@@ -50,70 +45,57 @@ def _delta_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(
-        Out + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :] * sod,
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    do = tl.load(
-        DOut + b * sdb + h * sdh + offs_m[:, None].to(tl.int64) * sds + offs_d[None, :] * sdd,
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
+    o_ptrs = Out + b * sob + h * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :] * sod
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    do_ptrs = DOut + b * sdb + h * sdh + offs_m[:, None].to(tl.int64) * sds + offs_d[None, :] * sdd
+    do = tl.load(do_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(Delta + b * seb + h * seh + offs_m * ses, tl.sum(o * do, 1), mask=offs_m < Lq)
 
 
 @triton.jit
-def _dkdv_step(
-    dk,
-    dv,
-    k,
-    v,
-    desc_q,
-    desc_do,
-    b,
-    h,
-    lse_ptrs,
-    delta_ptrs,
-    start_m,
-    offs_m,
-    offs_n,
-    Lq,
-    shift,
-    qk_scale,
-    KLo,
-    KHi,
-    r_base,
-    MASK: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    D_PAD: tl.constexpr,
-    RANGED: tl.constexpr,
-):
-    """Add one query block's contribution to a key block's dk/dv (transposed: keys are rows).
+def _dkdv_inner(dk, dv, k, v,  #
+                desc_q, desc_do, b, h,  #
+                lse_ptrs, delta_ptrs, sls, ses,  #
+                start, stop, offs_m, offs_n,  #
+                Lq, shift, qk_scale,  #
+                PREC: tl.constexpr, BLOCK_M: tl.constexpr, D_PAD: tl.constexpr,  #
+                MASK: tl.constexpr, FROM_ROW0: tl.constexpr,  #
+                KLo=None, KHi=None, r_base=0):
+    """Add the query blocks ``[start, stop)`` to a key block's dk/dv (transposed: keys are rows).
 
-    ``RANGED``: query row ``i`` sees keys ``KLo[i] <= j < KHi[i]`` instead of the causal rule."""
-    m_ok = (start_m + offs_m) < Lq
-    q = desc_q.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
-    do = desc_do.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
-    lse = tl.load(lse_ptrs, mask=m_ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = tl.load(delta_ptrs, mask=m_ok, other=0.0)
-    qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
-    pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
-    if MASK:
-        if RANGED:
-            rows = start_m + offs_m
-            row_lo = tl.load(KLo + r_base + rows, mask=m_ok, other=0)
-            row_hi = tl.load(KHi + r_base + rows, mask=m_ok, other=0)
-            pT = tl.where(tl.trans(in_range(row_lo, row_hi, offs_n)), pT, 0.0)
+    ``lse_ptrs``/``delta_ptrs`` address the rows of block ``start`` and advance a block per step (returned
+    advanced); with ``FROM_ROW0`` they address row 0 and each block offsets them by its first row instead.
+    ``MASK``: the blocks hold hidden pairs: keys outside ``[KLo[r_base + i], KHi[r_base + i])`` for query
+    row ``i`` when the ranges are given (``r_base``: this batch's first row), else keys after the diagonal."""
+    for start_m in range(start, stop, BLOCK_M):
+        if FROM_ROW0:
+            lse_blk, delta_blk = lse_ptrs + start_m * sls, delta_ptrs + start_m * ses
         else:
-            pT = tl.where((start_m + offs_m)[None, :] + shift >= offs_n[:, None], pT, 0.0)
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
-    dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-    return dk, dv
+            lse_blk, delta_blk = lse_ptrs, delta_ptrs
+        m_ok = (start_m + offs_m) < Lq
+        q = desc_q.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
+        do = desc_do.load([b, start_m, h, 0]).reshape([BLOCK_M, D_PAD])
+        lse = tl.load(lse_blk, mask=m_ok, other=float("inf"))
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * RCP_LN2
+        delta = tl.load(delta_blk, mask=m_ok, other=0.0)
+        qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
+        pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
+        if MASK:
+            if KLo is not None:
+                rows = start_m + offs_m
+                row_lo = tl.load(KLo + r_base + rows, mask=m_ok, other=0)
+                row_hi = tl.load(KHi + r_base + rows, mask=m_ok, other=0)
+                pT = tl.where(tl.trans(in_range(row_lo, row_hi, offs_n)), pT, 0.0)
+            else:
+                pT = tl.where((start_m + offs_m)[None, :] + shift >= offs_n[:, None], pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
+        if not FROM_ROW0:
+            lse_ptrs += BLOCK_M * sls
+            delta_ptrs += BLOCK_M * ses
+    return dk, dv, lse_ptrs, delta_ptrs
 
 
 @triton.jit
@@ -133,67 +115,22 @@ def _split_rows(start, stop, part, SPLIT, BLOCK_M: tl.constexpr):
     do_bench=tune_bench,
 )
 @triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
-def _attn_bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    Lse,
-    Delta,
-    DK,
-    DV,
-    KLo,
-    KHi,
-    QLo,
-    QHi,
-    sqb,
-    sqs,
-    sqh,
-    sqd,
-    skb,
-    sks,
-    skh,
-    skd,
-    svb,
-    svs,
-    svh,
-    svd,
-    sdob,
-    sdos,
-    sdoh,
-    sdod,
-    slb,
-    slh,
-    sls,
-    seb,
-    seh,
-    ses,
-    sdkb,
-    sdks,
-    sdkh,
-    sdkd,
-    sdvb,
-    sdvs,
-    sdvh,
-    sdvd,
-    Lq,
-    Lk,
-    shift,
-    group,
-    qk_scale,
-    scale,
-    LQ_BUCKET,
-    LK_BUCKET,
-    SPLIT,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANGED: tl.constexpr = False,
-):
+def _attn_bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DV,  #
+                   KLo, KHi, QLo, QHi,  #
+                   sqb, sqs, sqh, sqd,  #
+                   skb, sks, skh, skd,  #
+                   svb, svs, svh, svd,  #
+                   sdob, sdos, sdoh, sdod,  #
+                   slb, slh, sls,  #
+                   seb, seh, ses,  #
+                   sdkb, sdks, sdkh, sdkd,  #
+                   sdvb, sdvs, sdvh, sdvd,  #
+                   Lq, Lk, shift, group, qk_scale, scale,  #
+                   LQ_BUCKET, LK_BUCKET, SPLIT,  #
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,  #
+                   CAUSAL: tl.constexpr, ACCUM: tl.constexpr, PREC: tl.constexpr,  #
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                   RANGED: tl.constexpr = False):
     """``RANGED``: ``KLo``/``KHi`` ``(batch, Lq)`` give each query row its keys ``[lo, hi)``, ``QLo``/``QHi``
     ``(batch, Lk)`` each key its query rows (int32, contiguous, non-decreasing); else all ``None``.
 
@@ -213,16 +150,10 @@ def _attn_bwd_dkdv(
     mask_d = offs_d[None, :] < HEAD_DIM
     kv_mask = (offs_n[:, None] < Lk) & mask_d
 
-    k = tl.load(
-        K + b * skb + hk.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :] * skd,
-        mask=kv_mask,
-        other=0.0,
-    )
-    v = tl.load(
-        V + b * svb + hk.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svs + offs_d[None, :] * svd,
-        mask=kv_mask,
-        other=0.0,
-    )
+    k_ptrs = K + b * skb + hk.to(tl.int64) * skh + offs_n[:, None].to(tl.int64) * sks + offs_d[None, :] * skd
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v_ptrs = V + b * svb + hk.to(tl.int64) * svh + offs_n[:, None].to(tl.int64) * svs + offs_d[None, :] * svd
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
 
@@ -246,18 +177,21 @@ def _attn_bwd_dkdv(
             h = h32.to(tl.int64)
             lse_base = Lse + b * slb + h * slh + offs_m.to(tl.int64) * sls
             delta_base = Delta + b * seb + h * seh + offs_m.to(tl.int64) * ses
-            for start_m in range(a0, a1, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_base + start_m * sls,
-                                    delta_base + start_m * ses, start_m, offs_m, offs_n, Lq, shift, qk_scale,
-                                    KLo, KHi, r_base, True, PREC, BLOCK_M, D_PAD, True)
-            for start_m in range(b0, b1, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_base + start_m * sls,
-                                    delta_base + start_m * ses, start_m, offs_m, offs_n, Lq, shift, qk_scale,
-                                    KLo, KHi, r_base, False, PREC, BLOCK_M, D_PAD, True)
-            for start_m in range(c0, c1, BLOCK_M):
-                dk, dv = _dkdv_step(dk, dv, k, v, desc_q, desc_do, b32, h32, lse_base + start_m * sls,
-                                    delta_base + start_m * ses, start_m, offs_m, offs_n, Lq, shift, qk_scale,
-                                    KLo, KHi, r_base, True, PREC, BLOCK_M, D_PAD, True)
+            dk, dv, _, _ = _dkdv_inner(dk, dv, k, v, desc_q, desc_do, b32, h32,  #
+                                       lse_base, delta_base, sls, ses,  #
+                                       a0, a1, offs_m, offs_n, Lq, shift, qk_scale,  #
+                                       PREC, BLOCK_M, D_PAD, MASK=True, FROM_ROW0=True,  #
+                                       KLo=KLo, KHi=KHi, r_base=r_base)
+            dk, dv, _, _ = _dkdv_inner(dk, dv, k, v, desc_q, desc_do, b32, h32,  #
+                                       lse_base, delta_base, sls, ses,  #
+                                       b0, b1, offs_m, offs_n, Lq, shift, qk_scale,  #
+                                       PREC, BLOCK_M, D_PAD, MASK=False, FROM_ROW0=True,  #
+                                       KLo=KLo, KHi=KHi, r_base=r_base)
+            dk, dv, _, _ = _dkdv_inner(dk, dv, k, v, desc_q, desc_do, b32, h32,  #
+                                       lse_base, delta_base, sls, ses,  #
+                                       c0, c1, offs_m, offs_n, Lq, shift, qk_scale,  #
+                                       PREC, BLOCK_M, D_PAD, MASK=True, FROM_ROW0=True,  #
+                                       KLo=KLo, KHi=KHi, r_base=r_base)
     else:
         # Query blocks [lo, mid) straddle the causal diagonal; [mid, end) see every key of the block.
         end = tl.cdiv(Lq, BLOCK_M) * BLOCK_M
@@ -266,9 +200,9 @@ def _attn_bwd_dkdv(
             mid = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
             lo = tl.minimum(lo, end)
             mid = tl.minimum(tl.maximum(mid, lo), end)
-        else:
-            lo = n0 * 0
-            mid = n0 * 0
+        else:  # no query block straddles a diagonal
+            lo = 0
+            mid = 0
 
         n_b = tl.num_programs(2)
         n_h = tl.num_programs(1) * group
@@ -280,64 +214,14 @@ def _attn_bwd_dkdv(
             h = h32.to(tl.int64)
             lse_ptrs = Lse + b * slb + h * slh + (lo + offs_m).to(tl.int64) * sls
             delta_ptrs = Delta + b * seb + h * seh + (lo + offs_m).to(tl.int64) * ses
-            for start_m in range(lo, mid, BLOCK_M):
-                dk, dv = _dkdv_step(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    desc_q,
-                    desc_do,
-                    b32,
-                    h32,
-                    lse_ptrs,
-                    delta_ptrs,
-                    start_m,
-                    offs_m,
-                    offs_n,
-                    Lq,
-                    shift,
-                    qk_scale,
-                    KLo,
-                    KHi,
-                    0,
-                    True,
-                    PREC,
-                    BLOCK_M,
-                    D_PAD,
-                    False,
-                )
-                lse_ptrs += BLOCK_M * sls
-                delta_ptrs += BLOCK_M * ses
-            for start_m in range(mid, end, BLOCK_M):
-                dk, dv = _dkdv_step(
-                    dk,
-                    dv,
-                    k,
-                    v,
-                    desc_q,
-                    desc_do,
-                    b32,
-                    h32,
-                    lse_ptrs,
-                    delta_ptrs,
-                    start_m,
-                    offs_m,
-                    offs_n,
-                    Lq,
-                    shift,
-                    qk_scale,
-                    KLo,
-                    KHi,
-                    0,
-                    False,
-                    PREC,
-                    BLOCK_M,
-                    D_PAD,
-                    False,
-                )
-                lse_ptrs += BLOCK_M * sls
-                delta_ptrs += BLOCK_M * ses
+            dk, dv, lse_ptrs, delta_ptrs = _dkdv_inner(dk, dv, k, v, desc_q, desc_do, b32, h32,  #
+                                                       lse_ptrs, delta_ptrs, sls, ses,  #
+                                                       lo, mid, offs_m, offs_n, Lq, shift, qk_scale,  #
+                                                       PREC, BLOCK_M, D_PAD, MASK=True, FROM_ROW0=False)
+            dk, dv, _, _ = _dkdv_inner(dk, dv, k, v, desc_q, desc_do, b32, h32,  #
+                                       lse_ptrs, delta_ptrs, sls, ses,  #
+                                       mid, end, offs_m, offs_n, Lq, shift, qk_scale,  #
+                                       PREC, BLOCK_M, D_PAD, MASK=False, FROM_ROW0=False)
 
     dk = dk * scale
     b_out = pid_b.to(tl.int64)  # the batch, or (split) the part's slot
@@ -352,45 +236,29 @@ def _attn_bwd_dkdv(
 
 
 @triton.jit
-def _dq_step(
-    dq,
-    q,
-    do,
-    lse,
-    delta,
-    desc_k,
-    desc_v,
-    b,
-    hk,
-    start_n,
-    offs_m,
-    offs_n,
-    Lk,
-    shift,
-    qk_scale,
-    row_lo,
-    row_hi,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    RANGED: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """Add one key block's contribution to a query block's dq (``RANGED``: per-row key ranges)."""
-    k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
-    v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC)
-    p = tl.math.exp2(qk * qk_scale - lse[:, None])
-    if MASK:
-        if RANGED:
-            keep = in_range(row_lo, row_hi, start_n + offs_n)
-        else:
-            keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
-        p = tl.where(keep, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-    ds = p * (dp - delta[:, None])
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+def _dq_inner(dq, q, do, lse, delta,  #
+              desc_k, desc_v, b, hk,  #
+              start, stop, offs_m, offs_n,  #
+              Lk, shift, qk_scale,  #
+              PREC: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,  #
+              MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+              row_lo=None, row_hi=None):
+    """Add the key blocks ``[start, stop)`` to a query block's dq; ``MASK`` as in ``_fwd_inner``: per-row key
+    ranges ``[row_lo[i], row_hi[i])`` when given, else the sequence end and (``CAUSAL``) the diagonal."""
+    for start_n in range(start, stop, BLOCK_N):
+        k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
+        v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASK:
+            if row_lo is not None:
+                keep = in_range(row_lo, row_hi, start_n + offs_n)
+            else:
+                keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL=CAUSAL)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq
 
 
@@ -401,59 +269,21 @@ def _dq_step(
     do_bench=tune_bench,
 )
 @triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
-def _attn_bwd_dq(
-    Q,
-    K,
-    V,
-    DO,
-    Lse,
-    Delta,
-    DQ,
-    KLo,
-    KHi,
-    sqb,
-    sqs,
-    sqh,
-    sqd,
-    skb,
-    sks,
-    skh,
-    skd,
-    svb,
-    svs,
-    svh,
-    svd,
-    sdob,
-    sdos,
-    sdoh,
-    sdod,
-    slb,
-    slh,
-    sls,
-    seb,
-    seh,
-    ses,
-    sdqb,
-    sdqs,
-    sdqh,
-    sdqd,
-    Lq,
-    Lk,
-    shift,
-    group,
-    qk_scale,
-    scale,
-    LQ_BUCKET,
-    LK_BUCKET,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANGED: tl.constexpr = False,
-):
+def _attn_bwd_dq(Q, K, V, DO, Lse, Delta, DQ,  #
+                 KLo, KHi,  #
+                 sqb, sqs, sqh, sqd,  #
+                 skb, sks, skh, skd,  #
+                 svb, svs, svh, svd,  #
+                 sdob, sdos, sdoh, sdod,  #
+                 slb, slh, sls,  #
+                 seb, seh, ses,  #
+                 sdqb, sdqs, sdqh, sdqd,  #
+                 Lq, Lk, shift, group, qk_scale, scale,  #
+                 LQ_BUCKET, LK_BUCKET,  #
+                 HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,  #
+                 CAUSAL: tl.constexpr, ACCUM: tl.constexpr, PREC: tl.constexpr,  #
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+                 RANGED: tl.constexpr = False):
     """``RANGED``: ``KLo``/``KHi`` (int32 ``(batch, Lq)``) give each query row its keys; else ``None``."""
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -474,7 +304,7 @@ def _attn_bwd_dq(
     q = tl.load(Q + b * sqb + h * sqh + row * sqs + offs_d[None, :] * sqd, mask=qmask, other=0.0)
     do = tl.load(DO + b * sdob + h * sdoh + row * sdos + offs_d[None, :] * sdod, mask=qmask, other=0.0)
     lse = tl.load(Lse + b * slb + h * slh + offs_m.to(tl.int64) * sls, mask=mask_m, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * RCP_LN2
     delta = tl.load(Delta + b * seb + h * seh + offs_m.to(tl.int64) * ses, mask=mask_m, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
 
@@ -488,74 +318,30 @@ def _attn_bwd_dq(
         row_lo = tl.load(KLo + r_base + offs_m, mask=mask_m, other=0)
         row_hi = tl.load(KHi + r_base + offs_m, mask=mask_m, other=0)
         start, full_lo, full_hi, stop = ranged_tiles(row_lo, row_hi, mask_m, BLOCK_N)
-        for start_n in range(start, full_lo, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse, delta, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk, shift,
-                          qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N, D_PAD)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse, delta, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk, shift,
-                          qk_scale, row_lo, row_hi, False, CAUSAL, True, PREC, BLOCK_N, D_PAD)
-        for start_n in range(full_hi, stop, BLOCK_N):
-            dq = _dq_step(dq, q, do, lse, delta, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk, shift,
-                          qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N, D_PAD)
+        # masked key blocks before and after the unmasked run [full_lo, full_hi)
+        dq = _dq_inner(dq, q, do, lse, delta, desc_k, desc_v, b32, hk,  #
+                       start, full_lo, offs_m, offs_n, Lk, shift, qk_scale,  #
+                       PREC, BLOCK_N, D_PAD, MASK=True, CAUSAL=CAUSAL, row_lo=row_lo, row_hi=row_hi)
+        dq = _dq_inner(dq, q, do, lse, delta, desc_k, desc_v, b32, hk,  #
+                       full_lo, full_hi, offs_m, offs_n, Lk, shift, qk_scale,  #
+                       PREC, BLOCK_N, D_PAD, MASK=False, CAUSAL=CAUSAL, row_lo=row_lo, row_hi=row_hi)
+        dq = _dq_inner(dq, q, do, lse, delta, desc_k, desc_v, b32, hk,  #
+                       full_hi, stop, offs_m, offs_n, Lk, shift, qk_scale,  #
+                       PREC, BLOCK_N, D_PAD, MASK=True, CAUSAL=CAUSAL, row_lo=row_lo, row_hi=row_hi)
     else:
-        full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
+        full_hi, hi = key_block_bounds(m0, Lq, Lk, shift, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
         n_b = tl.num_programs(2)
         n_hk = tl.num_programs(1) // group
         desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
         desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
         b32 = tl.program_id(2)
-        for start_n in range(0, full_hi, BLOCK_N):
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse,
-                delta,
-                desc_k,
-                desc_v,
-                b32,
-                hk,
-                start_n,
-                offs_m,
-                offs_n,
-                Lk,
-                shift,
-                qk_scale,
-                offs_m,
-                offs_m,
-                False,
-                CAUSAL,
-                False,
-                PREC,
-                BLOCK_N,
-                D_PAD,
-            )
-        for start_n in range(full_hi, hi, BLOCK_N):
-            dq = _dq_step(
-                dq,
-                q,
-                do,
-                lse,
-                delta,
-                desc_k,
-                desc_v,
-                b32,
-                hk,
-                start_n,
-                offs_m,
-                offs_n,
-                Lk,
-                shift,
-                qk_scale,
-                offs_m,
-                offs_m,
-                True,
-                CAUSAL,
-                False,
-                PREC,
-                BLOCK_N,
-                D_PAD,
-            )
+        # key blocks [0, full_hi) see every key; [full_hi, hi) straddle the diagonal or the sequence end
+        dq = _dq_inner(dq, q, do, lse, delta, desc_k, desc_v, b32, hk,  #
+                       0, full_hi, offs_m, offs_n, Lk, shift, qk_scale,  #
+                       PREC, BLOCK_N, D_PAD, MASK=False, CAUSAL=CAUSAL)
+        dq = _dq_inner(dq, q, do, lse, delta, desc_k, desc_v, b32, hk,  #
+                       full_hi, hi, offs_m, offs_n, Lk, shift, qk_scale,  #
+                       PREC, BLOCK_N, D_PAD, MASK=True, CAUSAL=CAUSAL)
 
     dq = dq * scale
     dq_ptrs = DQ + b * sdqb + h * sdqh + row * sdqs + offs_d[None, :] * sdqd

@@ -8,8 +8,11 @@ import triton
 import triton.language as tl
 import triton.testing
 
+# The kernels run the softmax in base 2 (exp2, log2): the host passes ``scale * LOG2E``, the kernels turn a
+# natural-log lse into base 2 with RCP_LN2 (= LOG2E) and back with LN2.
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+RCP_LN2 = tl.constexpr(LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 def interpreting() -> bool:
@@ -29,19 +32,17 @@ def bucket(n: int) -> int:
 def configs(gpu: list[tuple[int, int, int, int]], interp: tuple[int, int]) -> list[triton.Config]:
     """Autotune configs ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``.
 
-    One small config in the interpreter; only the first (default) GPU config when
-    ``LIGHTSEQ_TRITON_AUTOTUNE=0`` (fast compiles for tests).
+    One small config in the interpreter; the GPU configs in order, the first being the default
+    (``lightseq_hf._testing.kernel_knobs.single_triton_config`` keeps only that one, for fast tests).
     """
     if interpreting():
         return [triton.Config({"BLOCK_M": interp[0], "BLOCK_N": interp[1]}, num_warps=4, num_stages=1)]
-    if os.environ.get("LIGHTSEQ_TRITON_AUTOTUNE", "1") == "0":
-        gpu = gpu[:1]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in gpu]
 
 
 @triton.jit
-def key_ranges(m0, Lq, Lk, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key ranges of query rows ``[m0, m0 + BLOCK_M)``.
+def key_block_bounds(m0, Lq, Lk, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Key block bounds of query rows ``[m0, m0 + BLOCK_M)``.
 
     Returns ``(full_hi, hi)``: key blocks starting in ``[0, full_hi)`` need no mask
     (every key is valid and visible to every row of the block), blocks in
@@ -63,7 +64,7 @@ def key_ranges(m0, Lq, Lk, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, B
 @triton.jit
 def visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL: tl.constexpr):
     """Mask of the keys ``start_n + offs_n`` that query rows ``offs_m`` see: inside the sequence
-    and, when causal, at most ``row + shift`` (bottom-right alignment, as in :func:`key_ranges`)."""
+    and, when causal, at most ``row + shift`` (bottom-right alignment, as in :func:`key_block_bounds`)."""
     cols = (start_n + offs_n)[None, :]
     keep = cols < Lk
     if CAUSAL:

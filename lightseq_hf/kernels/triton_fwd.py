@@ -10,7 +10,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_common import configs, in_range, key_ranges, ranged_tiles, row_tiles, tune_bench, visible
+from .triton_common import (
+    LN2,
+    RCP_LN2,
+    configs,
+    in_range,
+    key_block_bounds,
+    ranged_tiles,
+    row_tiles,
+    tune_bench,
+    visible,
+)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
@@ -20,53 +30,39 @@ FWD_CONFIGS = configs(
 
 
 @triton.jit
-def _fwd_step(
-    acc,
-    m_i,
-    l_i,
-    q,
-    desc_k,
-    desc_v,
-    b,
-    hk,
-    start_n,
-    offs_m,
-    offs_n,
-    Lk,
-    shift,
-    qk_scale,
-    row_lo,
-    row_hi,
-    MASK: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    RANGED: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """One key block of the online softmax (log2 domain); K/V tiles come by TMA (zero past the edges).
-
-    ``RANGED``: row ``i`` sees keys ``row_lo[i] <= j < row_hi[i]`` (document / window masks)."""
-    k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
-    v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
-    qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-    if MASK:
-        if RANGED:
-            keep = in_range(row_lo, row_hi, start_n + offs_n)
+def _fwd_inner(m_i, l_i, acc, q,  #
+               desc_k, desc_v, b, hk,  #
+               start, stop, offs_m, offs_n,  #
+               Lk, shift, qk_scale,  #
+               PREC: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr,  #
+               MASK: tl.constexpr, CAUSAL: tl.constexpr,  #
+               row_lo=None, row_hi=None):
+    """The online softmax (log2 domain) over the key blocks ``[start, stop)``; K/V tiles come by TMA (zero
+    past the edges). ``MASK``: the blocks hold hidden pairs: keys outside ``[row_lo[i], row_hi[i])`` for
+    query row ``i`` when the ranges are given (document / window masks), else past the sequence end or,
+    when ``CAUSAL``, after the diagonal."""
+    for start_n in range(start, stop, BLOCK_N):
+        k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
+        v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASK:
+            if row_lo is not None:
+                keep = in_range(row_lo, row_hi, start_n + offs_n)
+            else:
+                keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL=CAUSAL)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            keep = visible(offs_m, offs_n, start_n, Lk, shift, CAUSAL)
-        qk = tl.where(keep, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = m_new
-    p = tl.math.exp2(qk - m_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-    return acc, m_new, l_i
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = m_new
+        p = tl.math.exp2(qk - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return m_i, l_i, acc
 
 
 @triton.autotune(
@@ -76,49 +72,19 @@ def _fwd_step(
     do_bench=tune_bench,
 )
 @triton.jit(do_not_specialize=["Lq", "Lk", "shift"])
-def _attn_fwd(
-    Q,
-    K,
-    V,
-    Out,
-    Lse,
-    KLo,
-    KHi,
-    sqb,
-    sqs,
-    sqh,
-    sqd,
-    skb,
-    sks,
-    skh,
-    skd,
-    svb,
-    svs,
-    svh,
-    svd,
-    sob,
-    sos,
-    soh,
-    sod,
-    slb,
-    slh,
-    sls,
-    Lq,
-    Lk,
-    shift,
-    group,
-    qk_scale,
-    LQ_BUCKET,
-    LK_BUCKET,
-    HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    ACCUM: tl.constexpr,
-    PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    RANGED: tl.constexpr = False,
-):
+def _attn_fwd(Q, K, V, Out, Lse,  #
+              KLo, KHi,  #
+              sqb, sqs, sqh, sqd,  #
+              skb, sks, skh, skd,  #
+              svb, svs, svh, svd,  #
+              sob, sos, soh, sod,  #
+              slb, slh, sls,  #
+              Lq, Lk, shift, group, qk_scale,  #
+              LQ_BUCKET, LK_BUCKET,  #
+              HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,  #
+              CAUSAL: tl.constexpr, ACCUM: tl.constexpr, PREC: tl.constexpr,  #
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  #
+              RANGED: tl.constexpr = False):
     """``RANGED``: ``KLo``/``KHi`` (int32, contiguous ``(batch, Lq)``, non-decreasing along rows) give each
     query row its keys ``[lo, hi)``; otherwise they are ``None`` and ``CAUSAL`` decides."""
     pid_m = tl.program_id(0)
@@ -146,7 +112,7 @@ def _attn_fwd(
     if ACCUM:
         # Continue the running softmax: m = lse (log2), l = 1, acc = normalized running out.
         lse_run = tl.load(lse_ptrs, mask=mask_m, other=float("-inf"))
-        m_i = lse_run * 1.4426950408889634
+        m_i = lse_run * RCP_LN2
         l_i = tl.where(lse_run == float("-inf"), 0.0, 1.0)
         acc = tl.load(o_ptrs, mask=mask_m[:, None] & mask_d, other=0.0).to(tl.float32)
         acc = tl.where(l_i[:, None] > 0, acc, 0.0)
@@ -165,80 +131,38 @@ def _attn_fwd(
         row_lo = tl.load(KLo + r_base + offs_m, mask=mask_m, other=0)
         row_hi = tl.load(KHi + r_base + offs_m, mask=mask_m, other=0)
         start, full_lo, full_hi, stop = ranged_tiles(row_lo, row_hi, mask_m, BLOCK_N)
-        for start_n in range(start, full_lo, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk,
-                                      shift, qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N,
-                                      D_PAD)
-        for start_n in range(full_lo, full_hi, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk,
-                                      shift, qk_scale, row_lo, row_hi, False, CAUSAL, True, PREC, BLOCK_N,
-                                      D_PAD)
-        for start_n in range(full_hi, stop, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(acc, m_i, l_i, q, desc_k, desc_v, b32, hk, start_n, offs_m, offs_n, Lk,
-                                      shift, qk_scale, row_lo, row_hi, True, CAUSAL, True, PREC, BLOCK_N,
-                                      D_PAD)
+        # masked key blocks before and after the unmasked run [full_lo, full_hi)
+        m_i, l_i, acc = _fwd_inner(m_i, l_i, acc, q, desc_k, desc_v, b32, hk,  #
+                                   start, full_lo, offs_m, offs_n, Lk, shift, qk_scale,  #
+                                   PREC, BLOCK_N, D_PAD, MASK=True, CAUSAL=CAUSAL,  #
+                                   row_lo=row_lo, row_hi=row_hi)
+        m_i, l_i, acc = _fwd_inner(m_i, l_i, acc, q, desc_k, desc_v, b32, hk,  #
+                                   full_lo, full_hi, offs_m, offs_n, Lk, shift, qk_scale,  #
+                                   PREC, BLOCK_N, D_PAD, MASK=False, CAUSAL=CAUSAL,  #
+                                   row_lo=row_lo, row_hi=row_hi)
+        m_i, l_i, acc = _fwd_inner(m_i, l_i, acc, q, desc_k, desc_v, b32, hk,  #
+                                   full_hi, stop, offs_m, offs_n, Lk, shift, qk_scale,  #
+                                   PREC, BLOCK_N, D_PAD, MASK=True, CAUSAL=CAUSAL,  #
+                                   row_lo=row_lo, row_hi=row_hi)
     else:
-        full_hi, hi = key_ranges(m0, Lq, Lk, shift, CAUSAL, BLOCK_M, BLOCK_N)
+        full_hi, hi = key_block_bounds(m0, Lq, Lk, shift, BLOCK_M, BLOCK_N, CAUSAL=CAUSAL)
 
         n_b = tl.num_programs(2)
         n_hk = tl.num_programs(1) // group
         desc_k = row_tiles(K, n_b, Lk, n_hk, skb, sks, skh, HEAD_DIM, BLOCK_N, D_PAD)
         desc_v = row_tiles(V, n_b, Lk, n_hk, svb, svs, svh, HEAD_DIM, BLOCK_N, D_PAD)
         b32 = tl.program_id(2)
-        for start_n in range(0, full_hi, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                desc_k,
-                desc_v,
-                b32,
-                hk,
-                start_n,
-                offs_m,
-                offs_n,
-                Lk,
-                shift,
-                qk_scale,
-                offs_m,
-                offs_m,
-                False,
-                CAUSAL,
-                False,
-                PREC,
-                BLOCK_N,
-                D_PAD,
-            )
-        for start_n in range(full_hi, hi, BLOCK_N):
-            acc, m_i, l_i = _fwd_step(
-                acc,
-                m_i,
-                l_i,
-                q,
-                desc_k,
-                desc_v,
-                b32,
-                hk,
-                start_n,
-                offs_m,
-                offs_n,
-                Lk,
-                shift,
-                qk_scale,
-                offs_m,
-                offs_m,
-                True,
-                CAUSAL,
-                False,
-                PREC,
-                BLOCK_N,
-                D_PAD,
-            )
+        # key blocks [0, full_hi) see every key; [full_hi, hi) straddle the diagonal or the sequence end
+        m_i, l_i, acc = _fwd_inner(m_i, l_i, acc, q, desc_k, desc_v, b32, hk,  #
+                                   0, full_hi, offs_m, offs_n, Lk, shift, qk_scale,  #
+                                   PREC, BLOCK_N, D_PAD, MASK=False, CAUSAL=CAUSAL)
+        m_i, l_i, acc = _fwd_inner(m_i, l_i, acc, q, desc_k, desc_v, b32, hk,  #
+                                   full_hi, hi, offs_m, offs_n, Lk, shift, qk_scale,  #
+                                   PREC, BLOCK_N, D_PAD, MASK=True, CAUSAL=CAUSAL)
 
     seen = l_i != 0.0  # a row that saw no key: 0; a NaN row stays NaN (out and lse)
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * LN2, float("-inf"))
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d)
     tl.store(lse_ptrs, lse, mask=mask_m)

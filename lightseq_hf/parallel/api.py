@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import struct
+import zlib
 
 import torch
 import torch.distributed as dist
 
-from ..kernels import BACKENDS, check_qkv, get_kernel, masked_backend
+from ..kernels import KernelRequest, MaskKind, backend_names, check_qkv, select_backend
+from ..kernels.base import check_softcap
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
 from .schedule import SCHEDULES
 from .segments import Segments, as_segments
@@ -27,9 +29,11 @@ def check_same_shapes(
     schedule: str = "balanced",
     backend: str = "auto",
     mask_digest: int = 0,
+    chosen: str = "",
 ) -> None:
-    """All-gather each rank's call (shapes, dtype, causal, scale, schedule, backend, which of q/k/v
-    need gradients) and raise the same ValueError on every rank if they differ.
+    """All-gather each rank's call (shapes, dtype, causal, scale, schedule, the backend asked for and the
+    one chosen, which of q/k/v need gradients, the masks) and raise the same ValueError on every rank if
+    they differ.
 
     Runs before any point-to-point transfer, so a mismatch fails fast instead of hanging (or, for
     the scale, silently mixing two attentions).
@@ -40,9 +44,11 @@ def check_same_shapes(
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
     grads = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (q, k, v)]
     scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
+    value_dim = v.shape[3] if v is not None else q.shape[3]
     mine = torch.tensor(
         [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal), scale_bits,
-         SCHEDULES.index(schedule), BACKENDS.index(backend), *map(int, grads), mask_digest],
+         SCHEDULES.index(schedule), _name_code(backend), *map(int, grads), mask_digest, value_dim,
+         _name_code(chosen or backend)],
         dtype=torch.int64, device=device,
     )
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -51,28 +57,81 @@ def check_same_shapes(
     if len(set(rows)) == 1:
         return
 
+    names = {_name_code(n): n for n in (*backend_names(), chosen, backend)}
+
     def describe(x: tuple) -> str:
         s = struct.unpack("<d", struct.pack("<q", x[8]))[0]
         need = "".join(n for n, g in zip("qkv", x[11:14]) if g) or "none"
         return (f"q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, kv heads {x[5]}, "
-                f"dtype code {x[6]}, causal {bool(x[7])}, scale {s:.6g}, schedule {SCHEDULES[x[9]]}, "
-                f"backend {BACKENDS[x[10]]}, grads {need}, segments/window digest {x[14]}")
+                f"value dim {x[15]}, dtype code {x[6]}, causal {bool(x[7])}, scale {s:.6g}, schedule "
+                f"{SCHEDULES[x[9]]}, backend {names.get(x[10], '?')} (chose {names.get(x[16], '?')}), "
+                f"grads {need}, segments/window/softcap digest {x[14]}")
 
     fields = ("shapes", "shapes", "shapes", "shapes", "shapes", "shapes", "dtypes", "causal flags",
               "softmax scales", "schedules", "backends", "requires_grad", "requires_grad", "requires_grad",
-              "segments or windows")
+              "segments, windows or softcaps", "shapes", "backends")
     differ = sorted({fields[i] for i in range(len(fields)) if len({r[i] for r in rows}) > 1},
                     key=fields.index)
     described = "; ".join(f"rank {r}: {describe(x)}" for r, x in enumerate(rows))
-    same_masks = " Pass every rank the same segments (of the full rows) and window."
+    same_masks = " Pass every rank the same segments (of the full rows), window and softcap."
     hint = (" Every rank must hold an equal-length shard: pad the sequence to a multiple of the group size "
             "(lightseq_hf.pad_to_multiple) before sharding." if "shapes" in differ else
-            same_masks if "segments or windows" in differ else
+            same_masks if "segments, windows or softcaps" in differ else
             " Every rank of the group must call dist_flash_attn with the same arguments, and the same q/k/v "
             "must require gradients on every rank (backward is collective).")
     raise ValueError(
         f"ranks of the sequence-parallel group passed different {', '.join(differ)} ({described}).{hint}"
     )
+
+
+def _name_code(name: str) -> int:
+    """A stable number for a backend name (the fingerprint is an int64 tensor)."""
+    return zlib.crc32(name.encode())
+
+
+def _mask_kind(causal: bool, seg: Segments | None, window: int | None) -> MaskKind:
+    if window is not None:
+        return MaskKind.WINDOW
+    if seg is not None:
+        return MaskKind.DOCUMENTS
+    return MaskKind.CAUSAL if causal else MaskKind.FULL
+
+
+def _check_arguments(q, k, v, softmax_scale, schedule, backend, segments, cu_seqlens, window,
+                     softcap) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
+    if backend not in backend_names():
+        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}.")
+    check_qkv(q, k, v)
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be a finite number; got {softmax_scale}.")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
+            "one sequence, so q, k and v shards must have the same length."
+        )
+    if segments is not None and cu_seqlens is not None:
+        raise ValueError("pass segments or cu_seqlens, not both.")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (or None); got {window!r}.")
+    check_softcap(softcap)
+
+
+def _segments_of(segments, cu_seqlens, window, batch: int, length: int, world: int, local: int):
+    """The segments of the full rows (None: plain rows without a window)."""
+    seg = as_segments(segments if segments is not None else cu_seqlens, batch, length)
+    if seg is not None and (seg.batch, seg.length) != (batch, length):
+        raise ValueError(
+            f"segments describe {seg.batch} rows of {seg.length} tokens, but the full inputs are {batch} "
+            f"rows of {length} tokens ({local} per rank x {world} ranks); build them for the full, "
+            "padded rows (Segments.padded extends them with padding)."
+        )
+    if window is not None and seg is None:
+        seg = Segments.full(batch, length)
+    if seg is not None and seg.is_full() and window is None:
+        seg = None  # plain rows: the whole-block schedule
+    return seg
 
 
 def dist_flash_attn(
@@ -90,70 +149,48 @@ def dist_flash_attn(
     segments: Segments | None = None,
     cu_seqlens: torch.Tensor | list[int] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a sequence sharded contiguously across ``group``.
 
-    ``q`` is this rank's shard ``(batch, local_seq, heads, head_dim)`` (chunk ``rank`` of
-    ``group`` in rank order; default group: the world), ``k``/``v`` are
-    ``(batch, local_seq, kv_heads, head_dim)``. Returns this rank's output shard in
-    ``q.dtype`` and, with ``return_lse``, its log-sum-exp ``(batch, heads, local_seq)``
-    (float32). Without an initialized process group, or with a group of one, it is
-    plain attention on the local tensors. Gradients flow to q, k and v (and through the
-    lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
-    ``backend`` is ``"auto"``, ``"reference"``, ``"triton"``, ``"sdpa"`` or ``"flash_varlen"``.
-    ``check_shapes=False`` skips the all-gather that checks every rank's call agrees (shapes,
-    dtype, causal, scale, schedule, backend, which inputs need gradients), for callers that
-    guarantee it, such as the model patch.
+    ``q`` is this rank's shard ``(batch, local_seq, heads, head_dim)`` (chunk ``rank`` of ``group`` in rank
+    order; default group: the world), ``k`` is ``(batch, local_seq, kv_heads, head_dim)`` and ``v``
+    ``(batch, local_seq, kv_heads, value_dim)`` (``value_dim`` other than ``head_dim``: the reference
+    backend). Returns this rank's output shard ``(batch, local_seq, heads, value_dim)`` in ``q.dtype`` and,
+    with ``return_lse``, its log-sum-exp ``(batch, heads, local_seq)`` (float32). Without an initialized
+    process group, or with a group of one, it is plain attention on the local tensors. Gradients flow to
+    q, k and v (and through the lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
+    ``backend`` is ``"auto"`` (the measured-fastest backend that takes the call, see
+    ``kernels.autoselect``), ``"reference"``, ``"triton"``, ``"sdpa"`` or ``"flash_varlen"``; a backend
+    that cannot take the call is refused, naming what it lacks. ``check_shapes=False`` skips the
+    all-gather that checks every rank's call agrees (shapes, dtype, causal, scale, schedule, backend,
+    masks, which inputs need gradients), for callers that guarantee it, such as the model patch.
 
     Packed documents and padding: ``segments`` (a :class:`~lightseq_hf.parallel.segments.Segments`
     of the *full* rows, the same on every rank) or ``cu_seqlens`` (cumulative document lengths over
     the flattened full ``batch * seq`` tokens, flash-attn style; tokens after the last are padding).
     Attention never crosses a document; padding tokens attend nothing and are attended by nothing
-    (output 0, lse -inf, gradients 0). ``window``: sliding-window attention, key ``j`` visible from
-    query ``i`` only when ``i - window < j`` (and, non-causal, ``j < i + window``). Blocks with no
-    visible pair are neither computed nor sent, and the schedule balances visible pairs (it replaces
-    ``schedule``, which applies to plain rows). Backends: ``"reference"``, ``"triton"`` and (no window;
-    CUDA, half precision) ``"flash_varlen"``, which ``"auto"`` picks there when torch's op runs.
+    (output 0, lse -inf, gradients 0), and a NaN in one document or padding token stays there. ``window``:
+    sliding-window attention, key ``j`` visible from query ``i`` only when ``i - window < j`` (and,
+    non-causal, ``j < i + window``). Blocks with no visible pair are neither computed nor sent, and the
+    schedule balances visible pairs (it replaces ``schedule``, which applies to plain rows). ``softcap``:
+    logit soft-capping, scores ``softcap * tanh(score / softcap)`` after the softmax scale (Gemma 2).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    check_qkv(q, k, v)
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number; got {softmax_scale}.")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
-            "one sequence, so q, k and v shards must have the same length."
-        )
-    if segments is not None and cu_seqlens is not None:
-        raise ValueError("pass segments or cu_seqlens, not both.")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (or None); got {window!r}.")
+    _check_arguments(q, k, v, softmax_scale, schedule, backend, segments, cu_seqlens, window, softcap)
     _, world = group_rank_and_size(group)
-    batch, length = q.shape[0], q.shape[1] * world
-    seg = as_segments(segments if segments is not None else cu_seqlens, batch, length)
-    if seg is not None and (seg.batch, seg.length) != (batch, length):
-        raise ValueError(
-            f"segments describe {seg.batch} rows of {seg.length} tokens, but the full inputs are {batch} "
-            f"rows of {length} tokens ({q.shape[1]} per rank x {world} ranks); build them for the full, "
-            "padded rows (Segments.padded extends them with padding)."
-        )
-    if window is not None and seg is None:
-        seg = Segments.full(batch, length)
-    if seg is not None and seg.is_full() and window is None:
-        seg = None  # plain rows: the whole-block schedule
-    if seg is not None:
-        backend = masked_backend(backend, q.device, q.dtype, q.shape[-1], window)
-    get_kernel(backend, q.device, q.dtype, q.shape[-1])  # fail early with the backend's own error
+    seg = _segments_of(segments, cu_seqlens, window, q.shape[0], q.shape[1] * world, world, q.shape[1])
+    request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], _mask_kind(causal, seg, window),
+                            softcap is not None)
+    chosen = select_backend(backend, request)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if check_shapes:
         digest = 0 if seg is None else seg.checksum() * 31 + (window or 0)
+        if softcap is not None:
+            digest = digest * 31 + zlib.crc32(repr(float(softcap)).encode())
         check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend,
-                          mask_digest=digest)
+                          mask_digest=digest, chosen=chosen)
     out, lse = dist_attn_fwd(
-        q, k, v, causal, float(scale), group_handle(group), schedule, backend,
-        [] if seg is None else seg.encode(), window or 0,
+        q, k, v, causal, float(scale), group_handle(group), schedule, chosen,
+        [] if seg is None else seg.encode(), window or 0, float(softcap or 0.0),
     )
     return (out, lse) if return_lse else out

@@ -40,20 +40,6 @@ class Pending:
         self._keep = None
 
 
-TRANSFER_MODES = ("overlap", "serial", "compute_only")
-_mode = "overlap"
-
-
-def set_transfer_mode(mode: str) -> None:
-    """Benchmark ablations: ``"overlap"`` (default), ``"serial"`` (every transfer completes before
-    the next compute starts) or ``"compute_only"`` (no transfers: received buffers are
-    filled with random values on the communication stream; wrong results, the schedule's compute time)."""
-    global _mode
-    if mode not in TRANSFER_MODES:
-        raise ValueError(f"unknown transfer mode {mode!r}; choose one of {', '.join(TRANSFER_MODES)}.")
-    _mode = mode
-
-
 class PeerComm:
     """Batched ``isend``/``irecv`` among the ranks of ``group``."""
 
@@ -71,8 +57,6 @@ class PeerComm:
         """Start the transfers; the sends read tensors as the compute stream left them."""
         if not transfers:
             return Pending([])
-        if _mode == "compute_only":
-            return self._fill_received(transfers.recvs)
         for p, t in transfers.recvs:
             if not t.is_contiguous():
                 raise ValueError(f"receive buffer from peer {p} is not contiguous; allocate it with "
@@ -89,47 +73,4 @@ class PeerComm:
                 self.stream.wait_event(ready)
                 works = dist.batch_isend_irecv(ops)
             pending = Pending(works, [t for _, t in sends])
-        if _mode == "serial":
-            pending.wait()
         return pending
-
-    def _fill_received(self, recvs: list[tuple[int, torch.Tensor]]) -> Pending:
-        """Compute-only mode: no transfer, but every received buffer gets random values (kernel time
-        depends on the data: the zeros of fresh memory draw less power and run faster), copied from a
-        cached random pool on the communication stream, where the transfer would have run."""
-        if self.stream is None:
-            for _, t in recvs:
-                t.copy_(_random_like(t))
-            return Pending([])
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for _, t in recvs:
-                t.copy_(_random_like(t))
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return Pending([_StreamEvent(done)], [t for _, t in recvs])
-
-
-class _StreamEvent:
-    """A work handle whose ``wait()`` makes the current CUDA stream wait for an event."""
-
-    def __init__(self, event: torch.cuda.Event) -> None:
-        self.event = event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-
-_random_pool: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-
-def _random_like(t: torch.Tensor) -> torch.Tensor:
-    """Standard-normal values shaped like ``t``, from a pool drawn once per device and dtype."""
-    key = (str(t.device), t.dtype)
-    pool = _random_pool.get(key)
-    if pool is None or pool.numel() < t.numel():
-        pool = torch.randn(t.numel(), dtype=t.dtype, device=t.device)
-        _random_pool[key] = pool
-    return pool[: t.numel()].view(t.shape)

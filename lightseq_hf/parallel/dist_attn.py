@@ -17,38 +17,45 @@ query owner and dk/dv to the key owner (in the input dtype), all accumulated in 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..kernels.base import AttentionKernel, attention_delta
+from ..kernels.base import AttentionKernel, AttentionMask, DocBlocks, KeyRange, attention_delta
 from .comm import PeerComm, Transfers
 from .merge import empty_running, merge_into
 from .schedule import Schedule, SpanTask, Task
 from .segments import local_key_range
 
 Bundle = dict[str, torch.Tensor]
-KeyRanges = tuple[torch.Tensor, torch.Tensor]
 #: ``task -> DocBlocks``: the documents of a task as blocks, for kernels with ``supports_doc_blocks``.
-BlocksOf = Callable[[SpanTask], Any]
+BlocksOf = Callable[[SpanTask], DocBlocks]
 
 
-def _kernel_mask(
-    task: Task | SpanTask, ranges: KeyRanges | None, chunk: int, doc_blocks: BlocksOf | None = None
-) -> dict[str, Any]:
-    """Kernel keywords for ``task``: its causal flag, its document blocks (``doc_blocks``), or (with global
-    key ``ranges``) the key range of its query rows within the key chunk."""
-    if doc_blocks is not None:
-        return {"causal": False, "doc_blocks": doc_blocks(task)}
-    if ranges is None:
-        return {"causal": task.diagonal}
-    start, stop = task.rows(chunk)
-    rows = slice(task.q_owner * chunk + start, task.q_owner * chunk + stop)
-    lo, hi = ranges
-    key_start, key_stop = task.keys(chunk)
-    key_range = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk + key_start,
-                                key_stop - key_start)
-    return {"causal": False, "key_range": key_range}
+@dataclass(frozen=True)
+class TaskMasks:
+    """How the mask of every task reaches the kernel: plain rows (causal on diagonal tasks), or the key
+    range of the task's rows cut from the global ``ranges`` ``(lo, hi)`` ``(batch, seq)``, or the task's
+    document blocks (``blocks_of``); with the ``window`` the ranges encode and the ``softcap``."""
+
+    ranges: KeyRange | None = None
+    blocks_of: BlocksOf | None = None
+    window: int | None = None
+    softcap: float | None = None
+
+    def for_task(self, task: Task | SpanTask, chunk: int) -> AttentionMask:
+        if self.blocks_of is not None:
+            return AttentionMask(doc_blocks=self.blocks_of(task), softcap=self.softcap)
+        if self.ranges is None:
+            return AttentionMask(causal=task.diagonal, softcap=self.softcap)
+        start, stop = task.rows(chunk)
+        rows = slice(task.q_owner * chunk + start, task.q_owner * chunk + stop)
+        lo, hi = self.ranges
+        key_start, key_stop = task.keys(chunk)
+        key_range = local_key_range(lo[:, rows], hi[:, rows], task.kv_owner * chunk + key_start,
+                                    key_stop - key_start)
+        return AttentionMask(key_range=key_range, window=self.window, softcap=self.softcap)
 
 
 def _rows(t: torch.Tensor, task: Task, seq_dim: int) -> torch.Tensor:
@@ -155,29 +162,24 @@ def dist_attn_forward(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    causal: bool,
     scale: float,
     schedule: Schedule,
     rank: int,
     comm: PeerComm,
     kernel: AttentionKernel,
-    ranges: KeyRanges | None = None,
-    doc_blocks: BlocksOf | None = None,
+    masks: TaskMasks,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (out in q.dtype, lse float32) of attention over the whole sequence.
-
-    ``ranges``: global key ranges ``(lo, hi)`` ``(batch, seq)`` of every query row (packed documents,
-    padding, windows; see ``segments``), with a schedule built from the same segments. ``doc_blocks``
-    (kernels with ``supports_doc_blocks``, instead of ``ranges``): each task's document blocks.
-    """
-    out, lse = empty_running(q)
+    """The schedule loop of the forward: this rank's (out in q.dtype, lse float32) of attention over the
+    whole sequence. ``masks``: how each task's mask reaches ``kernel`` (packed documents, padding and
+    windows come with a schedule built from the same segments)."""
+    out, lse = empty_running(q, v.shape[-1])
     chunk = q.shape[1]
     # The first task on this rank's own rows may copy its result instead of merging it into the empty
     # running (out, lse) when it covers every row (kernels that merge in place keep their float32
     # accumulate mode; a separate merge pass would cost more than the copy).
     own = [s[rank] for s in schedule.steps if s[rank] is not None and s[rank].q_owner == rank]
     copy_first = (own[0] if own and own[0].rows(chunk) == (0, chunk)
-                  and not getattr(kernel, "merges_in_kernel", False) else None)
+                  and not kernel.capabilities.merges_in_kernel else None)
 
     def q_rows(task: Task) -> Bundle:
         return {"q": _rows(q, task, 1)}
@@ -190,7 +192,7 @@ def dist_attn_forward(
         if task is None:
             return None
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
-        mask = _kernel_mask(task, ranges, chunk, doc_blocks)
+        mask = masks.for_task(task, chunk).keywords()
         if task.q_owner == rank:
             if task is copy_first:
                 part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
@@ -224,6 +226,43 @@ def dist_attn_forward(
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
+def _plan_gradients(
+    schedule: Schedule,
+    t: int,
+    rank: int,
+    produced: Bundle | None,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+) -> tuple[Transfers, list[Callable[[], None]]]:
+    """Transfers of step ``t``'s gradients: this rank's partial dq/dk/dv of another's rows or keys go out
+    (``produced``), the partials of its own come in (in the input ``dtypes``) and are added into the float32
+    ``grads`` on arrival."""
+    dq, dk, dv = grads
+    transfers, merges = Transfers(), []
+    step = schedule.steps[t]
+    mine = step[rank]
+    if mine is not None:
+        if mine.q_owner != rank:
+            transfers.sends.append((mine.q_owner, produced["dq"]))
+        if mine.kv_owner != rank:
+            transfers.sends += [(mine.kv_owner, produced["dk"]), (mine.kv_owner, produced["dv"])]
+    for peer, task in enumerate(step):
+        if peer == rank or task is None:
+            continue
+        if task.q_owner == rank:
+            target = _rows(dq, task, 1)
+            buf = _buffer_like(target, dtypes[0])
+            transfers.recvs.append((peer, buf))
+            merges.append(lambda x=target, b=buf: x.add_(b))
+        if task.kv_owner == rank:
+            keys_k, keys_v = _keys(dk, task), _keys(dv, task)
+            bk, bv = _buffer_like(keys_k, dtypes[1]), _buffer_like(keys_v, dtypes[2])
+            transfers.recvs += [(peer, bk), (peer, bv)]
+            merges.append(lambda x=keys_k, b=bk: x.add_(b))
+            merges.append(lambda x=keys_v, b=bv: x.add_(b))
+    return transfers, merges
+
+
 def dist_attn_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -233,21 +272,20 @@ def dist_attn_backward(
     lse: torch.Tensor,
     *,
     dlse: torch.Tensor | None = None,
-    causal: bool,
     scale: float,
     schedule: Schedule,
     rank: int,
     comm: PeerComm,
     kernel: AttentionKernel,
-    ranges: KeyRanges | None = None,
-    doc_blocks: BlocksOf | None = None,
+    masks: TaskMasks,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's (dq, dk, dv) in the input dtype; ``out``/``lse`` are this rank's global results.
+    """The schedule loop of the backward: this rank's (dq, dk, dv) in the input dtype; ``out``/``lse`` are
+    this rank's global results.
 
     A gradient ``dlse`` of the lse folds into delta: d lse_i / d s_ij = p_ij, so the
     score gradient p * (dp - delta) becomes p * (dp - (delta - dlse)).
     """
-    needs_out = getattr(kernel, "needs_out_in_backward", False)
+    needs_out = kernel.capabilities.needs_out_in_backward
     if needs_out and dlse is not None:
         raise ValueError(
             f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
@@ -285,7 +323,7 @@ def dist_attn_backward(
         row_out, row_delta = (q_in["stat"], None) if needs_out else (None, q_in["stat"])
         grads = kernel.backward(
             q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
-            scale=scale, delta=row_delta, **_kernel_mask(task, ranges, chunk, doc_blocks),
+            scale=scale, delta=row_delta, **masks.for_task(task, chunk).keywords(),
             dq=_rows(dq, task, 1) if own_q else None,
             dk=_keys(dk, task) if own_kv else None,
             dv=_keys(dv, task) if own_kv else None,
@@ -298,29 +336,7 @@ def dist_attn_backward(
         }
 
     def plan_results(t: int, produced: Bundle | None):
-        transfers, merges = Transfers(), []
-        step = schedule.steps[t]
-        mine = step[rank]
-        if mine is not None:
-            if mine.q_owner != rank:
-                transfers.sends.append((mine.q_owner, produced["dq"]))
-            if mine.kv_owner != rank:
-                transfers.sends += [(mine.kv_owner, produced["dk"]), (mine.kv_owner, produced["dv"])]
-        for peer, task in enumerate(step):
-            if peer == rank or task is None:
-                continue
-            if task.q_owner == rank:
-                target = _rows(dq, task, 1)
-                buf = _buffer_like(target, q.dtype)
-                transfers.recvs.append((peer, buf))
-                merges.append(lambda x=target, b=buf: x.add_(b))
-            if task.kv_owner == rank:
-                keys_k, keys_v = _keys(dk, task), _keys(dv, task)
-                bk, bv = _buffer_like(keys_k, k.dtype), _buffer_like(keys_v, v.dtype)
-                transfers.recvs += [(peer, bk), (peer, bv)]
-                merges.append(lambda x=keys_k, b=bk: x.add_(b))
-                merges.append(lambda x=keys_v, b=bv: x.add_(b))
-        return transfers, merges
+        return _plan_gradients(schedule, t, rank, produced, (dq, dk, dv), (q.dtype, k.dtype, v.dtype))
 
     _run_steps(comm, len(schedule.steps), plan_inputs, compute, plan_results)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

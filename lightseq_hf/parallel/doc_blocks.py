@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from ..kernels.flash_varlen import DocBlocks, make_doc_blocks
+from ..kernels.base import DocBlocks, make_doc_blocks
 from .schedule import SpanTask
 from .segments import Segments
 

@@ -10,33 +10,24 @@ to while tracing was not yet filled when the compiled graph first ran).
 
 from __future__ import annotations
 
-import collections
-
 import torch
 import torch.distributed as dist
 
-from ..kernels import get_kernel
+from ..kernels import AttentionKernel, kernel_named
 from .comm import PeerComm
-from .dist_attn import BlocksOf, dist_attn_backward, dist_attn_forward
+from .dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward
 from .doc_blocks import task_doc_blocks
 from .schedule import Schedule, SpanTask, build_schedule
 from .segment_schedule import build_segment_schedule
-from .segments import decode_segments, key_ranges, local_key_range
+from .segments import decode_segments, key_ranges
 
 _comms: dict[tuple[str, str], PeerComm] = {}
-
-#: How often each op ran in this process (tests count attention forwards with it).
-call_counts = {"forward": 0, "backward": 0}
-#: local (per-rank) query length -> how many attention forwards saw it (tests prove the split with it).
-local_lengths: collections.Counter = collections.Counter()
-#: head chunks -> how many distributed backwards ran in that many chunks
-backward_head_chunks: collections.Counter = collections.Counter()
 
 #: The distributed backward runs over groups of heads, one after the other, so that its float32
 #: dq/dk/dv accumulators and the ring's key/value buffers and gradient partials exist for one group
 #: at a time: the fewest groups (a divisor of the key/value heads) whose float32 dq is at most this.
 #: Heads are independent, so the result is the same; at 64K tokens per rank and 32 x 128 query
-#: dims (1 GiB) there is one group, as before.
+#: dims (1 GiB) there is one group.
 BACKWARD_CHUNK_BYTES = 2**30
 
 
@@ -102,23 +93,32 @@ def _plan(
     return build_segment_schedule(world, seg, causal, win), (lo, hi)
 
 
-def _blocks_of(kernel, causal: bool, segments: list[int], window: int, chunk: int,
-               device: torch.device) -> BlocksOf | None:
-    """``task -> DocBlocks`` for kernels taking document blocks (packed rows without a window), else None.
-
-    Raises ValueError for a kernel that takes neither key ranges nor these masks.
-    """
-    if not segments and not window:
-        return None
-    if getattr(kernel, "supports_doc_blocks", False) and not window:
+def _task_masks(kernel: AttentionKernel, causal: bool, segments: list[int], window: int, softcap: float,
+                ranges: tuple[torch.Tensor, torch.Tensor] | None, chunk: int,
+                device: torch.device) -> TaskMasks:
+    """How each task's mask reaches ``kernel``: document blocks for kernels taking them (packed rows
+    without a window), else the global key ``ranges`` (None for plain rows). The backend was chosen for
+    this mask (``select_backend``), so one of the two fits."""
+    cap = softcap or None
+    if segments and not window and kernel.capabilities.supports_doc_blocks:
         seg = decode_segments(segments)
-        return lambda task: task_doc_blocks(seg, task, chunk, causal, device)
-    if not getattr(kernel, "supports_key_range", False):
-        raise ValueError(
-            f"backend {kernel.name!r} cannot take {'a sliding window' if window else 'document masks'}; "
-            "use backend='triton', 'reference' or 'auto'."
-        )
-    return None
+        return TaskMasks(blocks_of=lambda task: task_doc_blocks(seg, task, chunk, causal, device),
+                         softcap=cap)
+    return TaskMasks(ranges=ranges, window=window or None, softcap=cap)
+
+
+def _setup(q, causal, group, schedule, backend, segments, window, softcap):
+    """The kernel, this rank's place, the schedule and the task masks of one op call."""
+    kernel = kernel_named(backend)
+    rank, world, comm = _context(group, q.device)
+    plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
+    masks = _task_masks(kernel, causal, segments, window, softcap, ranges, q.shape[1], q.device)
+    return kernel, rank, world, comm, plan, masks
+
+
+def _whole(q: torch.Tensor, causal: bool) -> SpanTask:
+    """The single task of a group of one: every row against every key."""
+    return SpanTask(0, 0, 0, q.shape[1], 0, diagonal=causal)
 
 
 @torch.library.custom_op("lightseq_hf::dist_attn_fwd", mutates_args=())
@@ -133,33 +133,25 @@ def dist_attn_fwd(
     backend: str,
     segments: list[int],
     window: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    call_counts["forward"] += 1
-    local_lengths[q.shape[1]] += 1
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
+    """This rank's (out, lse); ``backend`` is the registered backend :func:`select_backend` chose, ``window``
+    and ``softcap`` 0 for none."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    rank, world, comm = _context(group, q.device)
-    plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
-    blocks = _blocks_of(kernel, causal, segments, window, q.shape[1], q.device)
+    kernel, rank, world, comm, plan, masks = _setup(q, causal, group, schedule, backend, segments, window,
+                                                    softcap)
     if world == 1:
-        if blocks is not None:
-            whole = SpanTask(0, 0, 0, q.shape[1], 0, diagonal=True)
-            return kernel.forward(q, k, v, causal=False, scale=scale, doc_blocks=blocks(whole))
-        if ranges is None:
-            return kernel.forward(q, k, v, causal=causal, scale=scale)
-        rng = local_key_range(*ranges, 0, k.shape[1])
-        return kernel.forward(q, k, v, causal=False, scale=scale, key_range=rng)
-    return dist_attn_forward(
-        q, k, v, causal=causal, scale=scale, schedule=plan, rank=rank, comm=comm, kernel=kernel,
-        ranges=None if blocks is not None else ranges, doc_blocks=blocks,
-    )
+        mask = masks.for_task(_whole(q, causal), q.shape[1])
+        return kernel.forward(q, k, v, scale=scale, **mask.keywords())
+    return dist_attn_forward(q, k, v, scale=scale, schedule=plan, rank=rank, comm=comm, kernel=kernel,
+                             masks=masks)
 
 
 @dist_attn_fwd.register_fake
-def _(q, k, v, causal, scale, group, schedule, backend, segments, window):
+def _(q, k, v, causal, scale, group, schedule, backend, segments, window, softcap):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, s, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, s), dtype=lse_dtype)
+    return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=lse_dtype)
 
 
 @torch.library.custom_op("lightseq_hf::dist_attn_bwd", mutates_args=())
@@ -178,23 +170,18 @@ def dist_attn_bwd(
     backend: str,
     segments: list[int],
     window: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call_counts["backward"] += 1
-    kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     # autograd saved the caller's q/k/v, which may be views (transposes, slices): k and v are sent
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    rank, world, comm = _context(group, q.device)
-    plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
-    blocks = _blocks_of(kernel, causal, segments, window, q.shape[1], q.device)
+    kernel, rank, world, comm, plan, masks = _setup(q, causal, group, schedule, backend, segments, window,
+                                                    softcap)
 
     def backward(dout, q, k, v, out, lse, dlse):
-        return dist_attn_backward(
-            dout, q, k, v, out, lse, dlse=dlse, causal=causal, scale=scale, schedule=plan, rank=rank,
-            comm=comm, kernel=kernel, ranges=None if blocks is not None else ranges, doc_blocks=blocks,
-        )
+        return dist_attn_backward(dout, q, k, v, out, lse, dlse=dlse, scale=scale, schedule=plan, rank=rank,
+                                  comm=comm, kernel=kernel, masks=masks)
 
     chunks = backward_chunks(q.numel(), k.shape[2]) if world > 1 else 1
-    backward_head_chunks[chunks] += 1
     if chunks == 1:
         return backward(dout, q, k, v, out, lse, dlse)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -210,15 +197,15 @@ def dist_attn_bwd(
 
 
 @dist_attn_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, causal, scale, group, schedule, backend, segments, window):
+def _(dout, dlse, q, k, v, out, lse, causal, scale, group, schedule, backend, segments, window, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, group, schedule, backend, segments, window = inputs
+    q, k, v, causal, scale, group, schedule, backend, segments, window, softcap = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, scale, group, schedule, backend, segments, window)
+    ctx.args = (causal, scale, group, schedule, backend, segments, window, softcap)
     ctx.set_materialize_grads(False)  # an unused lse gets no (zero) gradient tensor
 
 
@@ -227,7 +214,7 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = dist_attn_bwd(dout.contiguous(), dlse, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 dist_attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -30,7 +30,7 @@ from functools import cache
 
 import torch
 
-from .segments import Segments, key_ranges, visible_pairs
+from .segments import visible_pairs
 
 SCHEDULES = ("balanced", "paper", "ring")
 
@@ -220,11 +220,3 @@ def block_work(
         work.append(w_row)
         prefix.append(p_row)
     return work, prefix
-
-
-def segment_blocks(world: int, segments: Segments, causal: bool, window: int | None) -> dict[
-        tuple[int, int], int]:
-    """Every (query chunk, key chunk) block with visible pairs, and how many (for tests and tables)."""
-    lo, hi = key_ranges(segments, causal=causal, window=window)
-    work, _ = block_work(lo, hi, world)
-    return {(i, j): work[i][j] for i in range(world) for j in range(world) if work[i][j] > 0}

@@ -3,10 +3,10 @@
 Why tiles: the kernels work in ``tile_m x tile_n`` tiles (Triton ``BLOCK_M x BLOCK_N``; cuDNN/flash alike).
 A tile with one visible pair costs as much as a full one, every kernel launch has a fixed overhead
 (launch latency, the ops around it, the tail of its last wave), and the backward costs about 2.5x the
-forward per tile (its dq and dk/dv passes). Balancing visible pairs exactly (the old objective) left a
-9.8% per-rank busy-time spread on 2 x H200 at 64K: the rank with more tasks and more partial tiles was
-slower. :class:`TileCost` models that; :func:`build_segment_schedule` minimizes the busiest rank's cost
-under it (:data:`PAIRS` reproduces the old objective: 1x1 tiles, no launch cost).
+forward per tile (its dq and dk/dv passes). Balancing visible pairs exactly (:data:`PAIRS`) left a
+9.8% per-rank busy-time spread on 2 x H200 at 64K (2026-11-23): the rank with more tasks and more partial
+tiles was slower. :class:`TileCost` models that; :func:`build_segment_schedule` minimizes the busiest
+rank's cost under it (:data:`PAIRS` is pair balance as a cost model: 1x1 tiles, no launch cost).
 
 Tiles counted are the ones the ranged kernels visit: query tiles start at a task's first row, key tiles at
 its key chunk's first key (the kernels get exactly those slices), and a query tile visits every key tile
@@ -74,9 +74,9 @@ class TileCost:
                 + (self.helper_row * rows if helper else 0.0))
 
 
-#: The old objective: visible query-key pairs (1 x 1 tiles, no fixed costs).
+#: Pair balance: visible query-key pairs (1 x 1 tiles, no fixed costs).
 PAIRS = TileCost(tile_m=1, tile_n=1, forward=1.0, backward=0.0, launch=0.0, launches=0, row_tile=0.0)
-#: The first tile model (128 x 128 tiles, hand-set constants; kept for comparisons).
+#: A hand-set tile model (128 x 128 tiles, constants not fitted; kept for comparisons).
 HAND_SET = TileCost()
 #: Fitted to each rank's compute-only forward+backward time of the Triton kernels (32/8 heads, head dim
 #: 128, bf16), replayed rank by rank on one H200 for 96 packed rows of 64K and 128K tokens at P = 2 and 4

@@ -1,4 +1,5 @@
-"""Sequence sharding: global label shift, padding, contiguous slices, global positions, the exact loss.
+"""Sequence sharding: global label shift, padding, contiguous slices, global positions, the group's loss
+(the fused chunked cross-entropy itself is in ``fused_loss``).
 
 Every rank of a sequence-parallel group of ``P`` ranks holds the same full batch of length ``N``.
 The sequence is right-padded to ``N_pad`` (a multiple of ``P``) and rank ``r`` keeps tokens
@@ -22,7 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from .fused_loss import IGNORE_INDEX, chunked_loss_sum
+
+__all__ = [
+    "IGNORE_INDEX", "SequenceShard", "chunked_loss_sum", "gather_sequence", "global_position_ids",
+    "group_sum", "num_loss_tokens", "pad_to_multiple", "sequence_parallel_loss", "shard_for", "shift_labels",
+    "take_shard",
+]
 
 
 @dataclass(frozen=True)
@@ -89,10 +96,13 @@ def take_shard(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1, value: fl
 def global_position_ids(
     position_ids: torch.Tensor | None, batch: int, shard: SequenceShard, device: torch.device
 ) -> torch.Tensor:
-    """This rank's slice of the global position ids (``arange`` by default; pads continue counting).
+    """This rank's slice of the global position ids of plain rows (``arange`` by default; pads continue
+    counting).
 
-    ``position_ids`` must count up by one along the sequence (an offset start is fine); packed
-    sequences (positions that restart) are refused.
+    ``position_ids`` must count up by one along each row (an offset start is fine). Packed rows, whose
+    positions restart at every document, take another path: :func:`~lightseq_hf.parallel.segments.
+    segments_from_hf` reads their documents from the positions, and the model patch shards the positions as
+    they are (:func:`take_shard`).
     """
     if position_ids is None:
         return torch.arange(shard.start, shard.end, device=device).unsqueeze(0).expand(batch, -1)
@@ -104,9 +114,9 @@ def global_position_ids(
         )
     if shard.seq_len > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
         raise ValueError(
-            "position_ids restart or skip inside a sequence (packed sequences); lightseq_hf's sequence "
-            "parallelism supports one contiguous sequence per row for now: pass position_ids=None or "
-            "0..N-1 per row, and do not pack several documents into one row."
+            "position_ids restart or skip inside a row, so the row holds packed documents: pass their "
+            "segments (segments_from_hf reads them from position_ids) and shard the positions as they are "
+            "with take_shard; global_position_ids is for plain rows counting up by one."
         )
     extra = shard.padded_len - shard.seq_len
     if extra:
@@ -121,160 +131,6 @@ def num_loss_tokens(shifted_labels: torch.Tensor) -> torch.Tensor:
     A tensor on the labels' device, so computing the loss never waits on the host.
     """
     return (shifted_labels != IGNORE_INDEX).sum()
-
-
-def _innermost(module: torch.nn.Module) -> torch.nn.Module:
-    """The module that computes ``module``'s output, inside wrapper modules that only forward the call.
-
-    Wrappers (FSDP1's ``FullyShardedDataParallel``, DDP, activation-checkpoint wrappers) keep the
-    real module under ``_fsdp_wrapped_module`` / ``_checkpoint_wrapped_module`` / ``module``; their
-    own forward (unshard, hooks) must still run, so the call goes to the outer module and the forward
-    is replaced on the inner one. FSDP2's ``fully_shard`` and PEFT's LoRA layers are not wrappers in
-    this sense: the module itself (a subclass of ``nn.Linear``, or LoRA's ``Linear``) computes.
-    """
-    for _ in range(8):
-        inner = None
-        for name in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "module"):
-            candidate = module._modules.get(name)
-            if isinstance(candidate, torch.nn.Module) and len(module._modules) == 1:
-                inner = candidate
-                break
-        if inner is None:
-            return module
-        module = inner
-    return module
-
-
-def _head_parameters(target: torch.nn.Module, probe: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors requiring grad that the head's output depends on, as this forward call sees them.
-
-    The module's own parameters first (under FSDP2 these are the unsharded parameters its
-    pre-forward hook registered, the tensors whose gradients FSDP2 reduces). Only a head whose
-    parameters are hidden from ``parameters()`` (FSDP1 with ``use_orig_params`` exposes views as
-    plain attributes during forward) falls back to the leaves of the autograd graph of ``probe``.
-    """
-    own = [p for p in target.parameters() if p.requires_grad]
-    if own or not probe.requires_grad:
-        return own
-    leaves: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
-    stack = [probe.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
-        if variable is not None:
-            leaves.setdefault(id(variable), variable)
-            continue
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return list(leaves.values())
-
-
-class _HeadCrossEntropySum(torch.autograd.Function):
-    """Sum of cross-entropies of ``head_fn(hidden)``, a chunk of rows at a time, gradients made in forward.
-
-    For every chunk the head runs once, the float32 log-softmax gradient of the chunk's logits is
-    formed at once, and ``autograd.grad`` turns it into the chunk's gradients for the hidden rows
-    and for the head's parameters (``params``: passed as inputs so that their gradients arrive in
-    backward through the ordinary ``AccumulateGrad`` path, where DDP and FSDP hooks expect them).
-    Backward only scales the stored gradients: no logits are kept, none recomputed, and no
-    parameter (which FSDP may have re-sharded after the forward) is read again.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, labels, head_fn, chunk_rows, *params):
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        targets = labels.reshape(-1)
-        need_h = ctx.needs_input_grad[0]
-        need_p = [ctx.needs_input_grad[4 + i] for i in range(len(params))]
-        wrt_params = [p for p, need in zip(params, need_p) if need]
-        acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
-        grad_h = torch.empty_like(flat) if need_h else None
-        grad_p = [torch.zeros(p.shape, dtype=torch.float64 if p.dtype == torch.float64 else torch.float32,
-                              device=p.device) for p in wrt_params]
-        total = torch.zeros((), dtype=acc, device=flat.device)
-        for i in range(0, flat.shape[0], chunk_rows):
-            y = targets[i:i + chunk_rows]
-            h = flat[i:i + chunk_rows].detach().requires_grad_(need_h)
-            with torch.enable_grad():
-                logits = head_fn(h)
-            valid = y != IGNORE_INDEX
-            safe_y = torch.where(valid, y, torch.zeros_like(y))
-            wide = logits.detach().to(acc)
-            lse = torch.logsumexp(wide, dim=-1)
-            picked = wide.gather(1, safe_y[:, None]).squeeze(1)
-            total = total + ((lse - picked) * valid).sum()
-            wrt = ([h] if need_h else []) + wrt_params
-            if wrt and logits.requires_grad:
-                dlogits = torch.exp(wide - lse[:, None])
-                dlogits.scatter_add_(1, safe_y[:, None], -torch.ones_like(lse)[:, None])
-                dlogits = (dlogits * valid[:, None]).to(logits.dtype)
-                grads = torch.autograd.grad(logits, wrt, dlogits, allow_unused=True)
-                if need_h:
-                    grad_h[i:i + chunk_rows] = grads[0] if grads[0] is not None else 0
-                for acc_p, g in zip(grad_p, grads[int(need_h):]):
-                    if g is not None:
-                        acc_p += g
-            del logits
-        ctx.save_for_backward(grad_h.view(hidden.shape) if need_h else None, *grad_p)
-        ctx.need_p = need_p
-        ctx.param_dtypes = [p.dtype for p in params]
-        return total
-
-    @staticmethod
-    def backward(ctx, grad_total):
-        grad_h, *grad_p = ctx.saved_tensors
-        dh = grad_h * grad_total.to(grad_h.dtype) if grad_h is not None else None
-        stored = iter(grad_p)
-        dparams = [(next(stored) * grad_total).to(dtype) if need else None
-                   for need, dtype in zip(ctx.need_p, ctx.param_dtypes)]
-        return (dh, None, None, None, *dparams)
-
-
-def chunked_loss_sum(
-    hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, vocab: int, chunk_size: int = 2048
-) -> torch.Tensor:
-    """Sum of token cross-entropies of ``head(hidden)`` against ``labels``, ``chunk_size`` tokens at a time.
-
-    Works for any head module, however wrapped: the call goes through ``head.__call__`` (so FSDP2's
-    and FSDP1's hooks unshard its weights, and the gradients they reduce arrive in backward), with
-    the innermost module's forward temporarily replaced by the fused chunked loss
-    (:class:`_HeadCrossEntropySum`). At most one chunk of full-vocabulary float32 logits is alive,
-    logits are never recomputed, and no weight is read in backward. Chunks whose labels are all
-    ignored still run: every rank's sum must be in the graph, or the backward all-reduce would
-    wait forever. ``vocab`` is checked against the head's output width.
-    """
-    target = _innermost(head)
-    compute = type(target).forward.__get__(target)  # the class's forward, bound: what head() would run
-    chunk_rows = max(1, chunk_size)
-
-    def fused_forward(h: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            with torch.enable_grad():  # one row through the head: its width, and what it reads
-                probe = compute(h.reshape(-1, h.shape[-1])[:1].detach())
-            params = _head_parameters(target, probe)
-            _check_vocab(probe, vocab)
-            del probe
-        else:
-            params = []
-        return _HeadCrossEntropySum.apply(h, labels, compute, chunk_rows, *params)
-
-    if "forward" in target.__dict__:
-        raise RuntimeError(f"the loss head {type(target).__name__} already has an instance-level forward; "
-                           "lightseq_hf's chunked loss cannot wrap it.")
-    target.forward = fused_forward
-    try:
-        return head(hidden)
-    finally:
-        del target.forward
-
-
-def _check_vocab(logits: torch.Tensor, vocab: int) -> None:
-    if logits.shape[-1] != vocab:
-        raise ValueError(f"the output head produces {logits.shape[-1]} logits per token but the model's "
-                         f"vocab_size is {vocab}; fix config.vocab_size or the head.")
 
 
 class _GatherSequence(torch.autograd.Function):

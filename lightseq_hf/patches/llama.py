@@ -28,11 +28,14 @@ rematerialization-aware policy (``checkpointing="remat"``).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +104,7 @@ class SequenceParallelContext:
     backend: str
     seq_len: int
     segments: Segments | None = None  # documents of the full (padded) rows; None: one per row
+    reference_attention: Callable | None = None  # set under unsharded(): replaces the distributed attention
 
 
 @dataclass(frozen=True)
@@ -219,8 +223,28 @@ def unpatch_llama() -> None:
     _settings = None
 
 
+#: (attention, group of this rank alone) while :func:`unsharded` is active
+_unsharded: contextvars.ContextVar[tuple[Callable, dist.ProcessGroup] | None] = contextvars.ContextVar(
+    "lightseq_unsharded", default=None)
+
+
+@contextlib.contextmanager
+def unsharded(attention: Callable, solo_group: dist.ProcessGroup):
+    """Patched forwards started inside run unsharded on this rank (the reference pass of
+    :func:`lightseq_hf.check_parity`): ``solo_group`` (this rank alone) is their group, so they do not
+    split the rows, and ``attention(module, query, key, value, scaling, **kwargs)`` (HF layout) replaces
+    the distributed attention, in checkpoint recomputes too."""
+    token = _unsharded.set((attention, solo_group))
+    try:
+        yield
+    finally:
+        _unsharded.reset(token)
+
+
 def resolve_sp_group(settings: PatchSettings | None = None) -> dist.ProcessGroup | None:
     """The sequence-parallel group a patched forward uses now (``None``: no parallelism)."""
+    if _unsharded.get() is not None:
+        return _unsharded.get()[1]
     settings = settings or _settings
     if settings is not None and settings.sp_group is not None:
         return settings.sp_group
@@ -560,7 +584,8 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
         input_ids=take_shard(input_ids, shard, value=pad_id) if input_ids is not None else None,
         inputs_embeds=take_shard(inputs_embeds, shard) if inputs_embeds is not None else None,
         position_ids=local_pos,
-        context=SequenceParallelContext(group, settings.backend, seq, segments),
+        context=SequenceParallelContext(group, settings.backend, seq, segments,
+                                        (_unsharded.get() or (None,))[0]),
     )
 
 
@@ -642,6 +667,8 @@ def lightseq_attention(
             f"attention dropout ({dropout}) is not supported by lightseq_hf's distributed attention; set "
             "config.attention_dropout = 0.0."
         )
+    if context.reference_attention is not None:  # under unsharded()
+        return context.reference_attention(module, query, key, value, scaling, **kwargs), None
     window = kwargs.get("sliding_window")
     if window is not None and window >= context.seq_len:
         window = None  # no token is further back than the window

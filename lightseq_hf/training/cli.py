@@ -85,6 +85,7 @@ def check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume:
 
 
 def _run_worker(cfg: FinetuneConfig) -> int:
+    from ..guard.parity import ParityError
     from .guards import NonFiniteError, PeerFailure
     from .loop import train
     from .saving import CheckpointError
@@ -95,6 +96,9 @@ def _run_worker(cfg: FinetuneConfig) -> int:
         return _fail(f"config error: {e}", EXIT_CONFIG)
     except (CheckpointError, NonFiniteError) as e:
         return _fail(f"stopped: {e}", EXIT_FAILED)
+    except ParityError as e:
+        return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
+                     EXIT_FAILED, every_rank=True)
     except PeerFailure as e:
         return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
     return 0

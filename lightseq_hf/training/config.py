@@ -183,6 +183,15 @@ class SavingConfig(_Section):
     resume_other_run: StrictBool = False  # allow resume_from to name a checkpoint outside output_dir
 
 
+class ParityCheckConfig(_Section):
+    """The first-step parity check (``lightseq_hf.check_parity``): the sequence-parallel first step against
+    the same step computed without sequence parallelism; a failure stops the run with one line."""
+
+    enabled: StrictBool = True  # check at the first step of a fresh run (sp_size > 1)
+    max_tokens: PosInt | None = None  # tokens checked (a prefix of the first micro-batch); None: ~4%
+    rtol: PosFloat | None = None  # relative tolerance; None: by dtype (float32 1e-5, bfloat16 0.1)
+
+
 class FinetuneConfig(_Section):
     """The whole run."""
 
@@ -195,6 +204,7 @@ class FinetuneConfig(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     saving: SavingConfig = Field(default_factory=SavingConfig)
+    parity: ParityCheckConfig = Field(default_factory=ParityCheckConfig)
 
 
 def _dotted(loc: tuple) -> str:

@@ -107,6 +107,7 @@ class Trainer:
         self.cfg, self.t = cfg, cfg.training
         self.out_dir = Path(cfg.output_dir)
         self.last_eval: dict = {}
+        self.parity_report: dict = {}
         self.last_loss = float("nan")
         self.train_time = 0.0
 
@@ -251,6 +252,9 @@ class Trainer:
         t, acc = self.t, self.accelerator
         step = self.state.step + 1
         tic = time.perf_counter()
+        if step == 1 and self.cfg.parity.enabled and self.groups.sp_size > 1:
+            with self.progress.phase("parity check", step):
+                self._check_parity(batches[0])
         with self.progress.phase("forward/backward", step):
             loss_sum = self._forward_backward(batches, step)
             if self.state.step == self.start_step:
@@ -276,6 +280,21 @@ class Trainer:
         self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches)
         self.state.tokens += self.tokens_per_step
         return StepResult(loss, grad_norm, skipped, time.perf_counter() - tic, batches)
+
+    def _check_parity(self, batch: dict) -> None:
+        """The first step's parity check (lightseq_hf.check_parity) on ``batch``; its report goes to the
+        metrics and the summary; a failure raises ParityError (one line)."""
+        from ..guard.first_step import run_first_step_check
+        from ..guard.parity import summary
+
+        inputs = {k: batch[k].to(self.device) for k in ("input_ids", "labels", "position_ids") if k in batch}
+        report = summary(run_first_step_check(self.model, inputs, self.cfg.parity.model_dump()))
+        self.parity_report = report
+        if self.is_main:
+            self.writer.write({"kind": "parity", "step": 1, **report})
+            logger.info(f"parity check passed on {report.get('parity_tokens')} tokens: loss rel err "
+                        f"{report.get('parity_loss_rel_err', 0):.1e}, gradients "
+                        f"{report.get('parity_grad_rel_err', 0):.1e} (rtol {report.get('parity_rtol')})")
 
     # ------------------------------------------------------------------ logging
 
@@ -403,6 +422,7 @@ class Trainer:
             "date": datetime.date.today().isoformat(), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resume) if self.resume is not None else None,
             "skipped_steps": s.skipped_steps, "torch": torch.__version__, "host": platform.node(),
+            **self.parity_report,
         }
         summary.update({k if k.startswith("eval") else f"eval_{k}": v for k, v in self.last_eval.items()
                         if k != "kind"})

@@ -24,12 +24,22 @@ SEQ = 2048
 
 
 def worker(rank, world):
+    import collections
+
     import torch.distributed as dist
     from tiny_models import VOCAB, loss_and_grads, make_batch
 
     import lightseq_hf
     from lightseq_hf.parallel import ops
 
+    backward_heads = []  # query heads of every schedule backward (the op runs one per head group)
+    schedule_backward = ops.dist_attn_backward
+
+    def recording_backward(dout, q, *args, **kwargs):
+        backward_heads.append(q.shape[2])
+        return schedule_backward(dout, q, *args, **kwargs)
+
+    ops.dist_attn_backward = recording_backward
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     device = torch.device("cuda", rank)
@@ -50,7 +60,7 @@ def worker(rank, world):
     for offload, tile, chunk_bytes, chunks in [(True, 512, 2**30, 1), (2, None, 1, 4), (False, 256, 1, 4)]:
         tag = f"offload {offload} tiled {tile} chunks {chunks}"
         ops.BACKWARD_CHUNK_BYTES = chunk_bytes
-        before = dict(ops.backward_head_chunks)
+        backward_heads.clear()
         m = lightseq_hf.patch_model(model(), backend="auto", offload_checkpoints=offload, tiled_mlp=tile)
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         for step in range(2):
@@ -82,12 +92,13 @@ def worker(rank, world):
                                     f"{stats.offloaded_bytes} offloaded")
         if offload and m.lightseq_offloader.stats.host_buffers_allocated != allocated:
             failures.append(f"{tag}: the second step allocated host buffers")
-        got = {c: n - before.get(c, 0) for c, n in ops.backward_head_chunks.items()}
-        if {c: n for c, n in got.items() if n} != {chunks: 2 * LAYERS}:
+        got = {8 // h: n // (8 // h) for h, n in collections.Counter(backward_heads).items()}  # 8 heads
+        if got != {chunks: 2 * LAYERS}:
             failures.append(f"{tag}: backward head chunks {got}")
         if offload:
             m.lightseq_offloader.release_host_memory()
     ops.BACKWARD_CHUNK_BYTES = 2**30
+    ops.dist_attn_backward = schedule_backward
     lightseq_hf.unpatch_llama()
     return failures
 

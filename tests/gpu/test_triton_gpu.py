@@ -7,10 +7,6 @@ kernels allocate are poisoned with NaN first, so an unwritten element fails.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("LIGHTSEQ_TRITON_AUTOTUNE", "0")  # one config per kernel: fast compiles
-
 import pytest
 import torch
 
@@ -19,9 +15,14 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 import torch.nn.functional as F
+from distributed import rel_err
+from kernel_checks import PoisonEmpty
 
+from lightseq_hf._testing.kernel_knobs import single_triton_config
 from lightseq_hf.kernels import triton_attn
 from lightseq_hf.kernels.reference import ReferenceKernel
+
+single_triton_config()  # one config per kernel: fast compiles
 
 KERNEL = triton_attn.TritonKernel()
 REF = ReferenceKernel(block_q=2048, block_k=2048)
@@ -29,16 +30,9 @@ DEV = torch.device("cuda")
 
 
 @pytest.fixture(autouse=True)
-def poison_outputs(monkeypatch):
-    def nan_new(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(triton_attn, "_new", nan_new)
-
-
-def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(got).all(), "non-finite values (unwritten or overflowed elements)"
-    return ((got.double() - ref).norm() / ref.norm()).item()
+def poison_outputs():
+    with PoisonEmpty():
+        yield
 
 
 def sdpa(q, k, v, causal, scale, mask=None):
@@ -92,10 +86,10 @@ def test_fwd_bwd_vs_sdpa_error(case, dtype):
     s_grads = (qs.grad, ks.grad, vs.grad)
 
     assert (lse.double() - ref_lse).abs().max().item() < 2e-2
-    e_ours, e_sdpa = rel(out, ref_out), rel(s_out.detach(), ref_out)
+    e_ours, e_sdpa = rel_err(out, ref_out), rel_err(s_out.detach(), ref_out)
     assert e_ours <= 2 * e_sdpa + 1e-6, f"out: ours {e_ours:.2e} vs sdpa {e_sdpa:.2e}"
     for name, g, sg, r in zip(("dq", "dk", "dv"), grads, s_grads, ref_grads):
-        e_ours, e_sdpa = rel(g, r), rel(sg, r)
+        e_ours, e_sdpa = rel_err(g, r), rel_err(sg, r)
         assert e_ours <= 2 * e_sdpa + 1e-6, f"{name}: ours {e_ours:.2e} vs sdpa {e_sdpa:.2e}"
 
 
@@ -142,9 +136,9 @@ def test_accumulate_chunks_and_unequal_lengths(dtype):
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     s_out = sdpa(qs, ks, vs, True, scale, mask=causal_lower_right(lq, lk))
     s_out.backward(do)
-    e_ours, e_sdpa = rel(out_lp, ref_out), rel(s_out.detach(), ref_out)
+    e_ours, e_sdpa = rel_err(out_lp, ref_out), rel_err(s_out.detach(), ref_out)
     assert e_ours <= 2 * e_sdpa + 1e-6, f"out: ours {e_ours:.2e} vs sdpa {e_sdpa:.2e}"
     assert (lse.double() - ref_lse).abs().max().item() < 2e-2
     for name, g, sg, r in zip(("dq", "dk", "dv"), (dq, dk, dv), (qs.grad, ks.grad, vs.grad), ref_grads):
-        e_ours, e_sdpa = rel(g, r), rel(sg, r)
+        e_ours, e_sdpa = rel_err(g, r), rel_err(sg, r)
         assert e_ours <= 2 * e_sdpa + 1e-6, f"{name}: ours {e_ours:.2e} vs sdpa {e_sdpa:.2e}"

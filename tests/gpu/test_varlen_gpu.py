@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from distributed import rel_err, run_distributed
 
-from lightseq_hf.kernels import flash_varlen, get_kernel, masked_backend
+from lightseq_hf.kernels import KernelRequest, MaskKind, flash_varlen, get_kernel, select_backend
 from lightseq_hf.kernels.base import merge_into
 from lightseq_hf.kernels.reference import ReferenceKernel
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
@@ -127,7 +127,8 @@ def test_dist_flash_attn_one_gpu_flash_varlen_against_float64_reference():
 
     dev = torch.device("cuda")
     n, h, hk, d = 4096, 8, 2, 128
-    assert masked_backend("flash_varlen", dev, torch.bfloat16, d) == "flash_varlen"
+    assert select_backend("flash_varlen", KernelRequest(dev, torch.bfloat16, d, d, MaskKind.DOCUMENTS)) == \
+        "flash_varlen"
     ref = ReferenceKernel(block_q=1024, block_k=1024)
     for name, docs in layouts(n):
         g = torch.Generator(device=dev).manual_seed(7)
