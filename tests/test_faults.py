@@ -137,8 +137,12 @@ def test_nan_loss_stops_or_skips(tmp_path: Path) -> None:
                          fault="loss:1:2:nan")
     assert rc == 0, out[-3000:]
     recs = _records(run / "metrics.jsonl")
-    assert recs[2].get("skipped") is True and not recs[3].get("skipped") and math.isnan(recs[2]["loss"])
-    assert json.loads((run / "summary.json").read_text())["skipped_steps"] == 1
+    assert recs[2].get("skipped") is True and not recs[3].get("skipped")
+    assert recs[2]["loss"] is None and recs[2]["nonfinite"]["loss"] == "nan"  # strict JSON, value kept
+    strict = {"parse_constant": lambda c: pytest.fail(f"non-strict JSON constant {c}")}
+    assert json.loads((run / "summary.json").read_text(), **strict)["skipped_steps"] == 1
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, **strict)
     from safetensors.torch import load_file
 
     weights = load_file(run / "checkpoint-3" / "model.safetensors")
