@@ -249,7 +249,7 @@ def use_chunked_loss(model) -> None:
     import types
 
     from lightseq_hf.parallel.sharding import IGNORE_INDEX, chunked_loss_sum, group_sum
-    from lightseq_hf.patches.llama import LOSS_CHUNK_TOKENS
+    from lightseq_hf.patches.forward import LOSS_CHUNK_TOKENS
 
     def forward(self, input_ids=None, shift_labels=None, **kwargs):
         hidden = self.model(input_ids=input_ids, **kwargs).last_hidden_state

@@ -178,7 +178,7 @@ def client_liger(out_dir):
 
     import lightseq_hf
 
-    patched = lightseq_hf.patches.llama._settings is not None
+    patched = lightseq_hf.patches.state.current_settings() is not None
     lightseq_hf.unpatch_llama()
     apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, fused_linear_cross_entropy=True)
     if patched:

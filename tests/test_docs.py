@@ -175,13 +175,14 @@ def _linked_tree(root: Path) -> Path:
     """A directory that looks like a fresh clone after ``scripts/setup_env.sh``, without installing."""
     root.mkdir(parents=True, exist_ok=True)
     for name in ("configs", "scripts", "examples", "lightseq_hf", "tests", "benchmarks", "docs", "README.md",
-                 "pyproject.toml"):
+                 "pyproject.toml", "constraints.txt"):
         (root / name).symlink_to(ROOT / name)
     venv = root / ".venv" / "bin"
     venv.mkdir(parents=True)
     (venv / "python").symlink_to(sys.executable)
     (venv / "activate").write_text(f'export PATH="{venv}:{Path(sys.executable).parent}:$PATH"\n')
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "constraints.txt").read_bytes())
+    digest = digest.hexdigest()
     (root / ".venv" / ".lightseq-installed").write_text(f"{digest} {sys.version.split()[0]}\n")
     return root
 

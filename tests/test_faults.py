@@ -346,7 +346,7 @@ def _expect_error(failures: list, rank: int, what: str, fn, needle: str) -> None
 
 def worker_agreement(rank: int, world: int) -> list[str]:
     import lightseq_hf
-    from lightseq_hf.patches.llama import _check_same_batch
+    from lightseq_hf.patches.batch import check_same_batch as _check_same_batch
 
     failures: list[str] = []
     g = torch.Generator().manual_seed(0)

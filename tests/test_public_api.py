@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_all_lists_the_public_surface():
     assert sorted(lightseq_hf.__all__) == sorted({
         "ParallelGroups", "Segments", "build_schedule", "current_groups", "dist_flash_attn",
-        "init_sequence_parallel", "pad_to_multiple", "patch_llama", "patch_model", "remat_checkpoint",
-        "segments_from_hf", "unpatch_llama",
+        "init_sequence_parallel", "pad_to_multiple", "patch", "patch_llama", "patch_model",
+        "remat_checkpoint", "segments_from_hf", "unpatch", "unpatch_llama", "ParityCallback", "ParityError",
+        "check_parity", "sync_gradients",
     })
     for name in lightseq_hf.__all__:
         assert getattr(lightseq_hf, name) is not None

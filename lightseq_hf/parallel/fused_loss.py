@@ -1,12 +1,15 @@
 """The fused chunked cross-entropy of an output head: no full-vocabulary logits kept, none recomputed.
 
-:func:`chunked_loss_sum` runs the head one chunk of tokens at a time and forms each chunk's gradients in
-the forward (:class:`_HeadCrossEntropySum`); it finds the module that computes inside wrappers (FSDP1,
-DDP, activation checkpointing) and the parameters the head reads (FSDP2's unsharded ones, or the autograd
+:func:`chunked_loss_sum` (and :func:`fused_head`, which turns a caller's own head call into it) runs
+the head one chunk of tokens at a time and forms each chunk's gradients in the forward
+(:class:`_HeadCrossEntropySum`); it finds the module that computes inside wrappers (FSDP1, DDP,
+activation checkpointing) and the parameters the head reads (FSDP2's unsharded ones, or the autograd
 leaves FSDP1 exposes), so the reduction hooks of data parallelism see ordinary gradients.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -131,12 +134,22 @@ def chunked_loss_sum(
 
     Works for any head module, however wrapped: the call goes through ``head.__call__`` (so FSDP2's
     and FSDP1's hooks unshard its weights, and the gradients they reduce arrive in backward), with
-    the innermost module's forward temporarily replaced by the fused chunked loss
-    (:class:`_HeadCrossEntropySum`). At most one chunk of full-vocabulary float32 logits is alive,
-    logits are never recomputed, and no weight is read in backward. Chunks whose labels are all
-    ignored still run: every rank's sum must be in the graph, or the backward all-reduce would
-    wait forever. ``vocab`` is checked against the head's output width.
+    the innermost module's forward replaced by the fused chunked loss (:func:`fused_head`). At most one
+    chunk of full-vocabulary float32 logits is alive, logits are never recomputed, and no weight is
+    read in backward. Chunks whose labels are all ignored still run: every rank's sum must be in the
+    graph, or the backward all-reduce would wait forever. ``vocab`` is checked against the head's
+    output width.
     """
+    with fused_head(head, labels, vocab, chunk_size):
+        return head(hidden)
+
+
+@contextlib.contextmanager
+def fused_head(head: torch.nn.Module, labels: torch.Tensor, vocab: int, chunk_size: int = 2048):
+    """Within the context, a call of ``head`` on hidden rows (shaped as ``labels`` plus the hidden
+    width) returns the summed cross-entropy of its logits against ``labels`` (a 0-dim tensor) through
+    :class:`_HeadCrossEntropySum`: the caller's own head call, hooks and wrappers included, becomes the
+    fused loss. Call the head once inside it: FSDP units unshard and reshard around each call."""
     target = _innermost(head)
     compute = type(target).forward.__get__(target)  # the class's forward, bound: what head() would run
     chunk_rows = max(1, chunk_size)
@@ -157,7 +170,7 @@ def chunked_loss_sum(
                            "lightseq_hf's chunked loss cannot wrap it.")
     target.forward = fused_forward
     try:
-        return head(hidden)
+        yield
     finally:
         del target.forward
 

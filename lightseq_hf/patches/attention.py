@@ -35,7 +35,7 @@ from ..parallel.segments import Segments
 
 #: keyword arguments models pass that do not change the attention of one forward without a cache
 IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions",
-                            "output_hidden_states", "cache_position", "layer_idx"})
+                            "output_hidden_states", "cache_position", "layer_idx", "num_items_in_batch"})
 #: the model type of the sequence-parallel forward in progress (attention without the context is a bug)
 ACTIVE_MODEL = contextvars.ContextVar("lightseq_active_model", default=None)
 

@@ -20,6 +20,7 @@ model on every rank, unsharded.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -28,9 +29,9 @@ from typing import Any
 
 import torch
 
+from ..parallel.fused_loss import fused_head
 from ..parallel.sharding import (
     IGNORE_INDEX,
-    chunked_loss_sum,
     gather_sequence,
     num_loss_tokens,
     sequence_parallel_loss,
@@ -241,15 +242,15 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     else:  # labels only make the model call its loss_function: the group's loss, given below
         given_labels = None if shifted is None else (labels if labels is not None else shifted)
         if "logits_to_keep" in inspect.signature(original).parameters:
-            no_row = torch.zeros(0, dtype=torch.long, device=full.device)  # the head on no row: fused loss
-            kwargs["logits_to_keep"] = no_row if mode == "fused" else 0
-    loss_function = _group_loss(model, mode, pending, shifted, num_items)
+            kwargs["logits_to_keep"] = 0  # every row of the slice (fused: the head call is the loss)
+    loss_function, head_call = _group_loss(model, mode, pending, shifted, num_items)
     decoder.__dict__["_lightseq_pending"] = pending
     previous = model.__dict__.get("_loss_function", _MISSING)
     if loss_function is not None:
         model.loss_function = loss_function
     try:
-        out = original(model, **inputs, labels=given_labels, use_cache=False, **kwargs)
+        with head_call:
+            out = original(model, **inputs, labels=given_labels, use_cache=False, **kwargs)
     finally:
         decoder.__dict__.pop("_lightseq_pending", None)
         if loss_function is not None:
@@ -273,7 +274,7 @@ def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: 
     shard = split.shard
     if mode == "full":
         return logits
-    if mode == "fused":  # the head ran on no row; run it now (eval with labels)
+    if mode == "fused":  # the head call was the loss; logits for evaluation with labels come now
         hidden = pending.hidden
         head = model.get_output_embeddings()
         if layout == "shard":
@@ -291,23 +292,26 @@ def _keep_logits(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor
 
 
 def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
-    """The ``loss_function`` for the model's forward: the group's mean token loss (None: keep the model's)."""
+    """The ``loss_function`` for the model's forward (the group's mean token loss; None: keep the model's)
+    and the context to run the forward in: with the fused loss, the model's own head call returns this
+    slice's summed cross-entropy (one call of the head, through its FSDP or DDP hooks)."""
     if shifted is None or mode == "full":
-        return None  # the model's own loss on the gathered, whole-sequence logits
+        return None, contextlib.nullcontext()  # the model's own loss on the gathered, whole-sequence logits
     split = pending.split
     local_labels = take_shard(shifted, split.shard, value=IGNORE_INDEX)
 
     def loss_function(logits, labels=None, vocab_size=None, **_):
         pending.loss_calls.append(mode)
-        if mode == "fused":
-            head = model.get_output_embeddings()
-            local_sum = chunked_loss_sum(pending.hidden, local_labels, head, model.config.vocab_size,
-                                         LOSS_CHUNK_TOKENS)
-        else:
-            local_sum = _cross_entropy_sum(logits, local_labels)
+        if mode == "fused" and logits.dim() != 0:
+            raise RuntimeError(f"{type(model).__name__}.forward did not pass its hidden states to its output "
+                               "head; lightseq_hf's fused loss cannot run. Report the model type.")
+        local_sum = logits if mode == "fused" else _cross_entropy_sum(logits, local_labels)
         return sequence_parallel_loss(local_sum, num_loss_tokens(shifted), split.group, num_items)
 
-    return loss_function
+    if mode != "fused":
+        return loss_function, contextlib.nullcontext()
+    head = model.get_output_embeddings()
+    return loss_function, fused_head(head, local_labels, model.config.vocab_size, LOSS_CHUNK_TOKENS)
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
