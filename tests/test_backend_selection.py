@@ -92,3 +92,26 @@ def test_explicit_backends_are_refused_naming_what_they_lack(monkeypatch):
         with pytest.raises(ValueError, match="backend 'sdpa' takes bfloat16, float16, not float32"):
             select_backend("sdpa", KernelRequest(cuda, torch.float32, 64, 64))
     assert select_backend("sdpa", KernelRequest(torch.device("cuda"), torch.float16, 64, 64)) == "sdpa_cudnn"
+
+
+def test_one_call_selects_its_backend_once(monkeypatch):
+    """Every module that holds ``select_backend`` is watched: one ``dist_flash_attn`` call, forward and
+    backward, passes the selection once."""
+    import sys
+
+    import lightseq_hf
+    from lightseq_hf.kernels import autoselect
+
+    calls = []
+    original = autoselect.select_backend
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("lightseq_hf") and m is not None]:
+        if getattr(module, "select_backend", None) is original:
+            monkeypatch.setattr(module, "select_backend", counted)
+    q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    lightseq_hf.dist_flash_attn(q, k, v, causal=True).sum().backward()
+    assert len(calls) == 1 and q.grad is not None
