@@ -512,5 +512,5 @@ def test_no_development_history_in_the_docs():
 
 def test_no_development_history_in_code_tests_and_configs():
     hits = _history_hits(_tracked(["lightseq_hf", "scripts", "tests", "configs", "examples", ".ci",
-                                   "pyproject.toml"]))
+                                   "pyproject.toml", "constraints.txt", "benchmarks/results/*.json"]))
     assert not hits, "\n".join(hits)
