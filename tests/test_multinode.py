@@ -24,26 +24,26 @@ from doc_snippets import ROOT, all_snippets, commands, split_command
 pytestmark = pytest.mark.slow
 
 PROBE = '''
-import atexit, json, os
+import json, os
 if os.environ.get("DOCS_TEST_P2P_PROBE") and "RANK" in os.environ:
     import torch.distributed as dist
 
     _posted, _original = [], dist.batch_isend_irecv
 
-    def _recording(ops):
-        for op in ops:
-            _posted.append([op.op.__name__, int(op.peer), list(op.tensor.shape)])
-        return _original(ops)
-
-    dist.batch_isend_irecv = _recording
-
-    @atexit.register
-    def _dump():
+    def _dump():  # after every post: workers end with os._exit, which runs no exit handlers
         record = {k: os.environ.get(k) for k in ("RANK", "GROUP_RANK", "LOCAL_RANK", "WORLD_SIZE")}
         record["posted"] = _posted
         path = os.path.join(os.environ["DOCS_TEST_P2P_PROBE"], f"rank{os.environ['RANK']}.json")
         with open(path, "w") as f:
             json.dump(record, f)
+
+    def _recording(ops):
+        for op in ops:
+            _posted.append([op.op.__name__, int(op.peer), list(op.tensor.shape)])
+        _dump()
+        return _original(ops)
+
+    dist.batch_isend_irecv = _recording
 '''
 
 
