@@ -46,6 +46,9 @@ def test_tiny_default_runs_saves_and_resumes(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["sp_size"] == 2 and 0 <= summary["eval_accuracy"] <= 1
     assert summary["eval_chance"] == pytest.approx(1 / 16)
+    # the first step's parity check compared real numbers (the passkey prefix supervises no token)
+    assert summary["parity_passed"] and summary["parity_labels"] == "input_ids (no label in the prefix)"
+    assert 0 < summary["parity_grad_rel_err"] < 1e-5 and summary["parity_worst_parameter"]
     assert (run / "loss.png").stat().st_size > 1000
 
     import torch

@@ -371,6 +371,32 @@ def test_single_process_and_bad_input():
         lightseq_hf.check_parity(model, {"labels": torch.zeros(1, 4, dtype=torch.long)})
 
 
+def test_a_prefix_without_labels_and_a_nonfinite_loss():
+    """A prefix whose labels supervise no token (a prompt-masked sample) is checked with next-token labels
+    from input_ids, not as a NaN loss that compares with nothing; a NaN loss fails the check; a prefix of
+    embeddings without a supervised label is refused with one line."""
+    import math
+
+    import lightseq_hf
+
+    model = _model({}, {}, "remat")
+    batch = _batch("padded", 2, 24, seed=4)
+    batch["labels"] = torch.full_like(batch["input_ids"], -100)
+    report = lightseq_hf.check_parity(model, batch, rtol=1e-5)
+    assert report["passed"] and report["labels"] == "input_ids (no label in the prefix)"
+    assert math.isfinite(report["loss"]) and report["loss"] == pytest.approx(report["loss_reference"], 1e-5)
+    assert lightseq_hf.check_parity(model, _batch("plain", 1, 20, seed=1))["labels"] == "labels"
+    weight = model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight[0, 0] = math.nan
+    with pytest.raises(lightseq_hf.ParityError, match="the loss is not finite"):
+        lightseq_hf.check_parity(model, _batch("plain", 1, 20, seed=1))
+    embeds = {"inputs_embeds": torch.randn(1, 20, model.config.hidden_size),
+              "labels": torch.full((1, 20), -100)}
+    with pytest.raises(ValueError, match="inputs_embeds and no supervised label"):
+        lightseq_hf.check_parity(model, embeds)
+
+
 def test_default_cost_on_the_7b_configs():
     """The default prefix costs under 5% of the first optimizer step's model FLOPs on the GPU configs."""
     import types

@@ -26,6 +26,8 @@ from .observe import AttentionWatch
 from .reference import batch_shape, dense_masked_attention, document_ids, take_prefix
 from .state import preserved_state
 
+IGNORE_INDEX = -100  # the label transformers' losses skip
+
 #: default relative tolerances by the attention's dtype. float32: the brief's 1e-5 (correct setups measure
 #: about 5e-7). bfloat16 and float16: about 3.5x the worst error of 80 correct checks each (40 with weights
 #: in the dtype, 40 fp32 weights under autocast; random 2-layer GQA Mistral models with a window, plain,
@@ -104,10 +106,7 @@ def check_parity(
                          min(length, MIN_TOKENS_PER_RANK * len(sp_ranks)))
     device = _device_of(model)
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prefix.batch.items()}
-    if inputs.get("labels") is None and inputs.get("shift_labels") is None:
-        if inputs.get("input_ids") is None:
-            raise ValueError("the parity check's batch has inputs_embeds and no labels; pass labels.")
-        inputs["labels"] = inputs["input_ids"]
+    labels = _label_tokens(inputs, prefix.tokens)
     _check_same_groups(_gather((rank, sp_ranks)))
     docs = document_ids(inputs, prefix.rows, prefix.length, device)
     params = [p for _, p in model.named_parameters()]
@@ -130,11 +129,32 @@ def check_parity(
     report.update(dtype=str(dtype).replace("torch.", ""), gradient_sync=_sync_kind(model, sync, sharded),
                   documents=sum(len(row[row >= 0].unique()) for row in docs),
                   padding_tokens=int((docs < 0).sum()), windows=sorted(reference.windows),
-                  window_exercised=any(prefix.length > w for w in reference.windows),
+                  window_exercised=any(prefix.length > w for w in reference.windows), labels=labels,
                   seconds=round(time.perf_counter() - start, 3))
     if report["failures"]:
         raise ParityError("lightseq_hf parity check failed: " + "; ".join(report["failures"]), report)
     return report
+
+
+def _label_tokens(inputs: dict[str, Any], tokens: int) -> str:
+    """Make sure the checked prefix has a supervised token (a loss over none is NaN and compares with
+    nothing): the batch's labels when the prefix has one, else next-token labels from ``input_ids``
+    (padding excluded). Returns which labels the check uses."""
+    labels, shifted = inputs.get("labels"), inputs.get("shift_labels")
+    if shifted is not None and bool((shifted != IGNORE_INDEX).any()):
+        return "shift_labels"
+    if shifted is None and labels is not None and bool((labels[..., 1:] != IGNORE_INDEX).any()):
+        return "labels"
+    ids = inputs.get("input_ids")
+    if ids is None:
+        raise ValueError(f"the parity check's prefix of {tokens} tokens has inputs_embeds and no supervised "
+                         "label; pass labels that supervise its tokens, or raise max_tokens.")
+    mask = inputs.get("attention_mask")
+    inputs.pop("shift_labels", None)
+    padded = mask is not None and mask.dim() == 2
+    inputs["labels"] = ids.masked_fill(mask == 0, IGNORE_INDEX) if padded else ids
+    given = "no labels were given" if labels is None and shifted is None else "no label in the prefix"
+    return f"input_ids ({given})"
 
 
 class _RecordingReference:
@@ -154,7 +174,7 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     """The report's numbers as flat ``parity_*`` entries (for logs, metrics.jsonl, summary.json)."""
     keys = ("passed", "tokens", "rows", "length", "sp_size", "loss_rel_err", "grad_rel_err",
             "worst_parameter", "sync_rel_diff", "rtol", "dtype", "gradient_sync", "documents",
-            "padding_tokens", "seconds")
+            "padding_tokens", "labels", "seconds")
     return {f"parity_{k}": report[k] for k in keys if k in report}
 
 
@@ -182,9 +202,14 @@ def _verdict(findings: list[_Findings], prefix, rtol: float, names: list[str]) -
         failures += _mechanism_failures(mine, prefix.length)
         failures += _gradient_failures(mine, names, rtol, worst)
         for f in mine:
+            if not (math.isfinite(f.loss) and math.isfinite(f.loss_reference)):
+                failures.append(f"rank {f.rank}: the loss is not finite ({f.loss} sharded, "
+                                f"{f.loss_reference} unsharded); nothing can be compared")
+                worst["loss"] = math.inf
+                continue
             error = abs(f.loss - f.loss_reference) / max(abs(f.loss_reference), 1e-30)
             worst["loss"] = max(worst["loss"], error)
-    if worst["loss"] > rtol:
+    if rtol < worst["loss"] < math.inf:
         failures.append(f"the loss differs from the unsharded run's by {worst['loss']:.2e} (relative; "
                         f"tolerance {rtol:.0e})")
     if worst["grad"] > rtol:
@@ -219,14 +244,14 @@ def _gradient_failures(mine: list[_Findings], names: list[str], rtol: float, wor
         mean_ref = torch.stack([f.sketch_reference for f in mine]).mean(0)
         pairs = [(mean, mean_ref, mine[0].norms_reference.clamp(min=floor))]
     for sketch, sketch_ref, scale in pairs:
-        errors = (sketch - sketch_ref).square().mean(-1).sqrt() / scale
+        errors = ((sketch - sketch_ref).square().mean(-1).sqrt() / scale).nan_to_num(nan=math.inf)
         if errors.numel() and float(errors.max()) >= worst["grad"]:
             worst["grad"], worst["parameter"] = float(errors.max()), names[int(errors.argmax())]
     if mine[0].sharded_grads:
         return []
     scale = mine[0].norms_reference.clamp(min=floor)
     for f in mine[1:]:
-        spread = (f.sketch - mine[0].sketch).square().mean(-1).sqrt() / scale
+        spread = ((f.sketch - mine[0].sketch).square().mean(-1).sqrt() / scale).nan_to_num(nan=math.inf)
         if spread.numel() and float(spread.max()) > worst["sync"]:
             worst["sync"] = float(spread.max())
             if worst["sync"] > rtol:
