@@ -54,17 +54,18 @@ def run_first_step_check(
 
 
 def check_cost_fraction(model_config: Any, context_length: int, sp_size: int, micro_batches: int,
-                        rows: int = 1, max_tokens: int | None = None) -> float:
+                        rows: int = 1, max_tokens: int | None = None, unsharded_passes: int = 2) -> float:
     """Model FLOPs of the check over those of the first optimizer step, per rank, for a Llama-style
     ``model_config`` (no recompute counted on either side).
 
     The step: ``micro_batches`` micro-batches of ``rows x context_length`` tokens split over ``sp_size``
-    ranks. The check on ``n`` tokens: the same computation split over the group, plus on every rank the
-    unsharded pass with dense attention (all ``n^2`` pairs, masked ones included).
+    ranks. The check on ``n`` tokens: the same computation split over the group, plus on every rank
+    ``unsharded_passes`` unsharded passes with dense attention (all ``n^2`` pairs, masked ones included):
+    two in bfloat16 and float16 (the reference and the rounding yardstick), one in float32.
     """
     tokens = max_tokens or default_max_tokens(rows, context_length, sp_size)
     n_params = matmul_params(model_config)
     step = micro_batches * model_flops_per_step(model_config, n_params, rows, context_length) / sp_size
     sharded = model_flops_per_step(model_config, n_params, 1, tokens) / sp_size
     unsharded = model_flops_per_step(model_config, n_params, 1, tokens, attention_pairs=tokens**2)
-    return (sharded + unsharded) / step
+    return (sharded + unsharded_passes * unsharded) / step

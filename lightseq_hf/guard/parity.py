@@ -12,6 +12,7 @@ same on every rank of the group. The ranks exchange their findings, so all reach
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,15 @@ IGNORE_INDEX = -100  # the label transformers' losses skip
 #: packed, padded and cu_seq_lens rows of 12-36 tokens, 2 gloo processes; torch 2.13 CPU, transformers
 #: 5.23, 2026-11-24): bfloat16 0.0276 (loss 2.2e-4), float16 0.0035 (loss 4.2e-5).
 DEFAULT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.0125}
+#: bfloat16 and float16 checks also run the unsharded model with its attention's operands rounded to the
+#: dtype, as one flash attention kernel of that dtype rounds them. The relative change that rounding makes
+#: to the loss, and the largest it makes to a parameter kind's gradients (every layer's copy of a weight),
+#: is the yardstick, and the tolerance is ``max(rtol, NOISE_FACTOR x yardstick)``: deep random-weight
+#: models amplify every rounding in the key projections' gradients, and the sharded path rounds more than
+#: one kernel (partial outputs merged across ranks) and runs nondeterministic backward kernels. Llama-2-7B
+#: shape, FSDP2 bf16 on 2 x H100, 436-873 tokens (2026-11-25): the worst gradient errors 0.068-0.171 were
+#: all in key projections, whose largest rounding change measured 0.021-0.112.
+NOISE_FACTOR = 8.0
 #: a parameter's gradient error is relative to its norm, or to this fraction of the largest one if larger
 GRADIENT_FLOOR = 1e-3
 #: default prefix: this fraction of a fine-tune micro-batch's cost (sharded + unsharded passes)
@@ -61,6 +71,8 @@ class _Findings:
     sketch: torch.Tensor  # (parameters, SKETCH_DIM) projections of the gradients, sequence-parallel run
     sketch_reference: torch.Tensor  # the same, unsharded run
     norms_reference: torch.Tensor  # (parameters,) gradient norms, unsharded run
+    loss_rounded: float | None  # bfloat16/float16: the unsharded run with the attention's operands rounded
+    sketch_rounded: torch.Tensor | None  # its gradients' projections
     calls: dict[str, list[tuple[int, str]]]  # attention module -> (local length, group name) per call
     sharded_grads: bool  # FSDP: each rank holds a shard of the averaged gradients
 
@@ -115,16 +127,20 @@ def check_parity(
         with watch:
             loss = model(**inputs).loss
         loss_value, sketch, sharded = _backward(model, loss, sync, params, seed)
+        dtypes = [c.dtype for found in watch.calls.values() for c in found]
+        floats = [p.dtype for p in params if p.is_floating_point()]
+        dtype = dtypes[0] if dtypes else (floats or [torch.float32])[0]
         reference = _RecordingReference(dense_masked_attention(docs))
-        with unsharded(reference, _solo_group()):
-            loss_ref = model(**inputs).loss
-            reference_value, sketch_ref, _ = _backward(model, loss_ref, sync, params, seed)
+        reference_value, sketch_ref = _unsharded_pass(model, inputs, reference, sync, params, seed)
+        rounded_value, sketch_rounded = None, (None, None)
+        if dtype in (torch.bfloat16, torch.float16):
+            rounded = dense_masked_attention(docs, operand_dtype=dtype)
+            rounded_value, sketch_rounded = _unsharded_pass(model, inputs, rounded, sync, params, seed)
     calls = {name: [(c.local_length, c.group) for c in found] for name, found in watch.calls.items()}
-    dtypes = [c.dtype for found in watch.calls.values() for c in found]
-    dtype = dtypes[0] if dtypes else next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     tolerance = rtol if rtol is not None else DEFAULT_RTOL.get(dtype, 1e-5)
     mine = _Findings(rank, sp_ranks, _group_name(group), loss_value, reference_value, sketch[0],
-                     sketch_ref[0], sketch_ref[1], calls, sharded or _fsdp1(model))
+                     sketch_ref[0], sketch_ref[1], rounded_value, sketch_rounded[0], calls,
+                     sharded or _fsdp1(model))
     report = _verdict(_gather(mine), prefix, tolerance, [_display(n) for n, _ in model.named_parameters()])
     report.update(dtype=str(dtype).replace("torch.", ""), gradient_sync=_sync_kind(model, sync, sharded),
                   documents=sum(len(row[row >= 0].unique()) for row in docs),
@@ -174,8 +190,17 @@ def summary(report: dict[str, Any]) -> dict[str, Any]:
     """The report's numbers as flat ``parity_*`` entries (for logs, metrics.jsonl, summary.json)."""
     keys = ("passed", "tokens", "rows", "length", "sp_size", "loss_rel_err", "grad_rel_err",
             "worst_parameter", "sync_rel_diff", "rtol", "dtype", "gradient_sync", "documents",
-            "padding_tokens", "labels", "seconds")
+            "padding_tokens", "labels", "loss_tolerance", "grad_tolerance", "rounding_noise", "grad_by_kind",
+            "seconds")
     return {f"parity_{k}": report[k] for k in keys if k in report}
+
+
+def _unsharded_pass(model, inputs, attention, sync, params, seed) -> tuple[float, tuple[torch.Tensor, ...]]:
+    """Forward and backward of ``model`` on whole rows with ``attention`` on this rank alone."""
+    with unsharded(attention, _solo_group()):
+        loss = model(**inputs).loss
+        value, sketch, _ = _backward(model, loss, sync, params, seed)
+    return value, sketch
 
 
 def _backward(model, loss, sync, params, seed) -> tuple[float, tuple[torch.Tensor, torch.Tensor], bool]:
@@ -196,25 +221,20 @@ def _backward(model, loss, sync, params, seed) -> tuple[float, tuple[torch.Tenso
 def _verdict(findings: list[_Findings], prefix, rtol: float, names: list[str]) -> dict[str, Any]:
     """The report every rank computes from every rank's findings (so all agree)."""
     failures: list[str] = []
-    worst = {"loss": 0.0, "grad": 0.0, "sync": 0.0, "parameter": None}
+    worst = {"loss": 0.0, "loss_tolerance": rtol, "loss_noise": 0.0, "grad": 0.0, "excess": 0.0,
+             "tolerance": rtol, "noise": 0.0, "sync": 0.0, "parameter": None}
     for members in sorted({f.group for f in findings}):
         mine = [f for f in findings if f.group == members]
         failures += _mechanism_failures(mine, prefix.length)
         failures += _gradient_failures(mine, names, rtol, worst)
-        for f in mine:
-            if not (math.isfinite(f.loss) and math.isfinite(f.loss_reference)):
-                failures.append(f"rank {f.rank}: the loss is not finite ({f.loss} sharded, "
-                                f"{f.loss_reference} unsharded); nothing can be compared")
-                worst["loss"] = math.inf
-                continue
-            error = abs(f.loss - f.loss_reference) / max(abs(f.loss_reference), 1e-30)
-            worst["loss"] = max(worst["loss"], error)
-    if rtol < worst["loss"] < math.inf:
+        failures += _loss_failures(mine, rtol, worst)
+    if worst["loss_tolerance"] < worst["loss"] < math.inf:
         failures.append(f"the loss differs from the unsharded run's by {worst['loss']:.2e} (relative; "
-                        f"tolerance {rtol:.0e})")
-    if worst["grad"] > rtol:
+                        f"tolerance {_tolerance_text(rtol, worst['loss_noise'])})")
+    if worst["excess"] > 1:
         failures.append(f"the gradient of {worst['parameter']} differs from the unsharded run's by "
-                        f"{worst['grad']:.2e} (relative; tolerance {rtol:.0e}; worst of all parameters)")
+                        f"{worst['grad']:.2e} (relative; tolerance {_tolerance_text(rtol, worst['noise'])}; "
+                        "worst of all parameters)")
     sp_size = len(findings[0].group)
     return {
         "passed": not failures, "failures": failures, "rtol": rtol,
@@ -223,11 +243,41 @@ def _verdict(findings: list[_Findings], prefix, rtol: float, names: list[str]) -
         "sp_size": sp_size, "local_length": math.ceil(prefix.length / sp_size),
         "attention_layers": len(findings[0].calls),
         "loss": findings[0].loss, "loss_reference": findings[0].loss_reference,
-        "loss_rel_err": worst["loss"], "grad_rel_err": worst["grad"], "worst_parameter": worst["parameter"],
+        "loss_rel_err": worst["loss"], "loss_tolerance": worst["loss_tolerance"],
+        "grad_rel_err": worst["grad"], "grad_tolerance": worst["tolerance"],
+        "worst_parameter": worst["parameter"], "rounding_noise": {"loss": worst["loss_noise"],
+                                                                "grad": worst["noise"]},
+        "grad_by_kind": worst.get("kinds", {}),
         "sync_rel_diff": worst["sync"],
         "checked": ["loss", f"gradients of {len(names)} parameters ({SKETCH_DIM} random projections each)",
                     "attention ran distributed on each shard", "gradients equal across the group"],
     }
+
+
+def _tolerance_text(rtol: float, noise: float) -> str:
+    if not noise:
+        return f"{rtol:.0e}"
+    bound = max(rtol, NOISE_FACTOR * noise)
+    return (f"{bound:.2e} = max(rtol {rtol:.0e}, {NOISE_FACTOR:g} x {noise:.2e}, the largest change one "
+            "attention kernel's rounding makes)")
+
+
+def _loss_failures(mine: list[_Findings], rtol: float, worst: dict) -> list[str]:
+    """Compare one group's losses with the unsharded run's; updates ``worst``."""
+    failures = []
+    for f in mine:
+        if not (math.isfinite(f.loss) and math.isfinite(f.loss_reference)):
+            failures.append(f"rank {f.rank}: the loss is not finite ({f.loss} sharded, "
+                            f"{f.loss_reference} unsharded); nothing can be compared")
+            worst["loss"] = math.inf
+            continue
+        denominator = max(abs(f.loss_reference), 1e-30)
+        error = abs(f.loss - f.loss_reference) / denominator
+        noise = abs(f.loss_rounded - f.loss_reference) / denominator if f.loss_rounded is not None else 0.0
+        noise = noise if math.isfinite(noise) else 0.0
+        if error >= worst["loss"]:
+            worst.update(loss=error, loss_noise=noise, loss_tolerance=max(rtol, NOISE_FACTOR * noise))
+    return failures
 
 
 def _gradient_failures(mine: list[_Findings], names: list[str], rtol: float, worst: dict) -> list[str]:
@@ -238,15 +288,26 @@ def _gradient_failures(mine: list[_Findings], names: list[str], rtol: float, wor
         return ["no parameter received a gradient in the unsharded run (the check reads param.grad: "
                 "DeepSpeed keeps gradients elsewhere)"]
     if mine[0].sharded_grads:
-        pairs = [(f.sketch, f.sketch_reference, f.norms_reference.clamp(min=floor)) for f in mine]
+        pairs = [(f.sketch, f.sketch_reference, f.sketch_rounded, f.norms_reference.clamp(min=floor))
+                 for f in mine]
     else:  # projections are linear: the group's mean projection is the projection of the mean gradient
-        mean = torch.stack([f.sketch for f in mine]).mean(0)
-        mean_ref = torch.stack([f.sketch_reference for f in mine]).mean(0)
-        pairs = [(mean, mean_ref, mine[0].norms_reference.clamp(min=floor))]
-    for sketch, sketch_ref, scale in pairs:
+        def mean(sketches):
+            return None if sketches[0] is None else torch.stack(sketches).mean(0)
+        pairs = [(mean([f.sketch for f in mine]), mean([f.sketch_reference for f in mine]),
+                  mean([f.sketch_rounded for f in mine]), mine[0].norms_reference.clamp(min=floor))]
+    for sketch, sketch_ref, sketch_rounded, scale in pairs:
         errors = ((sketch - sketch_ref).square().mean(-1).sqrt() / scale).nan_to_num(nan=math.inf)
-        if errors.numel() and float(errors.max()) >= worst["grad"]:
-            worst["grad"], worst["parameter"] = float(errors.max()), names[int(errors.argmax())]
+        noise = torch.zeros_like(errors)
+        if sketch_rounded is not None:
+            changes = (sketch_rounded - sketch_ref).square().mean(-1).sqrt() / scale
+            noise = _kind_noise(changes.nan_to_num(nan=0.0), names)
+        tolerance = (NOISE_FACTOR * noise).clamp(min=rtol)
+        excess = errors / tolerance
+        _note_kinds(worst.setdefault("kinds", {}), names, errors, tolerance)
+        if excess.numel() and float(excess.max()) >= worst["excess"]:
+            i = int(excess.argmax())
+            worst.update(excess=float(excess[i]), grad=float(errors[i]), tolerance=float(tolerance[i]),
+                         noise=float(noise[i]), parameter=names[i])
     if mine[0].sharded_grads:
         return []
     scale = mine[0].norms_reference.clamp(min=floor)
@@ -257,6 +318,29 @@ def _gradient_failures(mine: list[_Findings], names: list[str], rtol: float, wor
             if worst["sync"] > rtol:
                 return [_unsynced_message(mine[0].group, f.rank, names[int(spread.argmax())], worst["sync"])]
     return []
+
+
+def parameter_kind(name: str) -> str:
+    """A parameter's name with its layer numbers starred: the layers' copies of one weight are one kind."""
+    return re.sub(r"\.\d+(?=\.)", ".*", name)
+
+
+def _kind_noise(changes: torch.Tensor, names: list[str]) -> torch.Tensor:
+    """Each parameter's yardstick: the largest rounding change among the parameters of its kind (one
+    layer's change is a single sample; its kind's largest is a stable bound)."""
+    kinds = [parameter_kind(n) for n in names]
+    largest: dict[str, float] = {}
+    for kind, change in zip(kinds, changes.tolist()):
+        largest[kind] = max(largest.get(kind, 0.0), change)
+    return torch.tensor([largest[k] for k in kinds], dtype=changes.dtype)
+
+
+def _note_kinds(kinds: dict, names: list[str], errors: torch.Tensor, tolerance: torch.Tensor) -> None:
+    """Keep, per parameter kind, the worst error and its tolerance (the report's ``grad_by_kind``)."""
+    for name, error, bound in zip(names, errors.tolist(), tolerance.tolist()):
+        kind = parameter_kind(name)
+        if error >= kinds.get(kind, {"error": -1.0})["error"]:
+            kinds[kind] = {"error": float(f"{error:.3g}"), "tolerance": float(f"{bound:.3g}")}
 
 
 def _mechanism_failures(members: list[_Findings], length: int) -> list[str]:

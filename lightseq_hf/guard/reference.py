@@ -104,11 +104,16 @@ def document_ids(batch: dict[str, Any], rows: int, length: int, device: torch.de
     return torch.where(valid, ids, torch.full_like(ids, -1)).to(device)
 
 
-def dense_masked_attention(doc_ids: torch.Tensor):
+def dense_masked_attention(doc_ids: torch.Tensor, operand_dtype: torch.dtype | None = None):
     """An attention function (Transformers' interface, ``(module, q, k, v, scaling, **kwargs)`` with q/k/v
     ``(batch, heads, seq, dim)``, returning ``(batch, seq, heads, dim)``) over whole rows whose
     documents are ``doc_ids`` (:func:`document_ids`): softmax in float32 over the keys ``j <= i`` of the
-    query's document and, with ``sliding_window=w``, ``i - w < j``; a query with no such key gets 0."""
+    query's document and, with ``sliding_window=w``, ``i - w < j``; a query with no such key gets 0.
+    ``operand_dtype``: round q, k, v and the probabilities to it, as a flash attention kernel of that dtype
+    does (scores and sums stay float32); else everything in float32."""
+
+    def rounded(x: torch.Tensor) -> torch.Tensor:
+        return x.float() if operand_dtype is None else x.to(operand_dtype).float()
 
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   scaling: float | None = None, **kwargs: Any) -> torch.Tensor:
@@ -117,9 +122,9 @@ def dense_masked_attention(doc_ids: torch.Tensor):
             out_dtype = torch.get_autocast_dtype(query.device.type)
         seq, dim = query.shape[2], query.shape[3]
         groups = query.shape[1] // key.shape[1]
-        q = query.float()
-        k = key.float().repeat_interleave(groups, dim=1)
-        v = value.float().repeat_interleave(groups, dim=1)
+        q = rounded(query)
+        k = rounded(key).repeat_interleave(groups, dim=1)
+        v = rounded(value).repeat_interleave(groups, dim=1)
         scale = dim ** -0.5 if scaling is None else scaling
         i = torch.arange(seq, device=q.device)
         allowed = i[None, :] <= i[:, None]
@@ -131,7 +136,7 @@ def dense_masked_attention(doc_ids: torch.Tensor):
         has_key = allowed.any(-1, keepdim=True)[:, None]  # padding queries see no key: output 0
         scores = torch.matmul(q, k.transpose(-1, -2)) * scale
         scores = scores.masked_fill(~allowed[:, None], float("-inf")).masked_fill(~has_key, 0.0)
-        probs = torch.softmax(scores, dim=-1) * has_key
+        probs = rounded(torch.softmax(scores, dim=-1) * has_key)
         return torch.matmul(probs, v).transpose(1, 2).to(out_dtype)
 
     return attention
