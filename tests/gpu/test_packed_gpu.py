@@ -129,3 +129,35 @@ def worker_memory(rank, world):
 def test_packed_attention_memory_independent_of_document_count():
     failures = [f for r in run_distributed(worker_memory, 2, backend="nccl") for f in r]
     assert not failures, "\n".join(failures)
+
+
+def test_triton_nan_stays_in_its_document_bf16():
+    """A NaN in one document's value and in a padding token's q/k/v/dout: the other documents' outputs,
+    lse and gradients are bit-identical to those of the clean inputs, padding rows stay 0, and the rows
+    that see the NaN value output NaN."""
+    dev = torch.device("cuda")
+    n, h, hk, d = 4096, 8, 2, 128
+    docs = (random_docs(n, 1), random_docs(n, 2, pad=True))
+    lo, hi = key_ranges(Segments(n, docs), causal=True, device=dev)
+    rng = local_key_range(lo, hi, 0, n)
+    g = torch.Generator(device=dev).manual_seed(4)
+    q, dout = (torch.randn(2, n, h, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, n, hk, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    start, end = docs[0][3]
+    assert end - start > 2
+    dirty = [t.clone() for t in (q, k, v, dout)]
+    dirty[2][0, start + 1] = float("nan")  # a value of document 3 of row 0
+    for t in dirty:
+        t[1, 10] = float("nan")  # a padding token of row 1
+    tri = get_kernel("triton", dev)
+    results = []
+    for q_, k_, v_, d_ in ((q, k, v, dout), dirty):
+        out, lse = tri.forward(q_, k_, v_, causal=False, scale=d ** -0.5, key_range=rng)
+        grads = tri.backward(d_, q_, k_, v_, out, lse, causal=False, scale=d ** -0.5, key_range=rng)
+        results.append((out, lse.transpose(1, 2), *grads))
+    other = torch.ones(2, n, dtype=torch.bool, device=dev)
+    other[0, start:end] = False
+    for name, clean, got in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert torch.equal(clean[other], got[other]), f"{name} of other documents or padding changed"
+    assert torch.isnan(results[1][0][0, start + 1:end]).all()
+    assert (results[1][0][1, :37] == 0).all() and all((t[1, :37] == 0).all() for t in results[1][2:])
