@@ -13,6 +13,7 @@ import functools
 import torch
 import triton
 
+from . import nonfinite
 from .base import Capabilities, KernelBase, check_key_range
 from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
 from .triton_common import LOG2E, bucket, interpreting
@@ -137,6 +138,9 @@ class TritonKernel(KernelBase):
         k_lo, k_hi = (None, None) if key_range is None else (r.contiguous() for r in key_range)
         b, lq, h, d = q.shape
         lk, hk = k.shape[1], k.shape[2]
+        bad_keys = None
+        if key_range is not None:  # documents and windows: keep a NaN in the rows that see it
+            k, v, bad_keys = nonfinite.forward_inputs(k, v)
         k, v = _tma_ready(k), _tma_ready(v)
         _ensure_allocator(q.device)
         accum = out is not None or lse is not None
@@ -186,6 +190,8 @@ class TritonKernel(KernelBase):
             PREC=_prec(q.dtype),
             RANGED=key_range is not None,
         )
+        if bad_keys is not None:
+            nonfinite.poison_forward(out, bad_keys, (k_lo, k_hi))
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
@@ -203,11 +209,14 @@ class TritonKernel(KernelBase):
             return dq_t, dk_t, dv_t
         if lse.dtype != torch.float32:
             lse = lse.float()
-        q, dout = _tma_ready(q), _tma_ready(dout)
-        _ensure_allocator(dev)
         d_pad = triton.next_power_of_2(d)
+        _ensure_allocator(dev)
         if delta is None:
-            delta = _delta(out, dout, d_pad)
+            delta = _delta(out, _tma_ready(dout), d_pad)
+        found = None
+        if key_range is not None:  # documents and windows: keep a NaN in the rows and keys that see it
+            q, k, v, dout, lse, delta, found = nonfinite.backward_inputs(q, k, v, dout, lse, delta)
+        q, dout = _tma_ready(q), _tma_ready(dout)
         common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype),
                   "RANGED": key_range is not None}
         k_lo = k_hi = q_lo = q_hi = None
@@ -221,6 +230,8 @@ class TritonKernel(KernelBase):
         _dkdv(q, k, v, dout, lse, delta, (dk_t, dk is not None), (dv_t, dv is not None),
               (k_lo, k_hi, q_lo, q_hi), lens, split, common)
         _dq(q, k, v, dout, lse, delta, dq_t, dq is not None, (k_lo, k_hi), lens, common)
+        if found is not None:
+            nonfinite.poison_backward(found, (k_lo, k_hi), (q_lo, q_hi), dq_t, dk_t, dv_t)
         return dq_t, dk_t, dv_t
 
 

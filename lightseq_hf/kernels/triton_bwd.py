@@ -13,10 +13,8 @@ import triton.language as tl
 from .triton_common import (
     RCP_LN2,
     configs,
-    finite_part,
     in_range,
     key_block_bounds,
-    nonfinite_rows,
     ranged_tiles,
     row_tiles,
     tune_bench,
@@ -80,11 +78,6 @@ def _dkdv_inner(dk, dv, k, v,  #
         lse = tl.load(lse_blk, mask=m_ok, other=float("inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse) * RCP_LN2
         delta = tl.load(delta_blk, mask=m_ok, other=0.0)
-        if MASK:
-            if KLo is not None:  # documents: a non-finite query row reaches only the keys it sees
-                bad = nonfinite_rows(q) + nonfinite_rows(do)
-                q = finite_part(q, bad)
-                do = finite_part(do, bad)
         qkT = tl.dot(k, tl.trans(q), input_precision=PREC)
         pT = tl.math.exp2(qkT * qk_scale - lse[None, :])
         if MASK:
@@ -92,22 +85,13 @@ def _dkdv_inner(dk, dv, k, v,  #
                 rows = start_m + offs_m
                 row_lo = tl.load(KLo + r_base + rows, mask=m_ok, other=0)
                 row_hi = tl.load(KHi + r_base + rows, mask=m_ok, other=0)
-                keepT = tl.trans(in_range(row_lo, row_hi, offs_n))
-                pT = tl.where(keepT, pT, 0.0)
+                pT = tl.where(tl.trans(in_range(row_lo, row_hi, offs_n)), pT, 0.0)
             else:
                 pT = tl.where((start_m + offs_m)[None, :] + shift >= offs_n[:, None], pT, 0.0)
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PREC)
         dpT = tl.dot(v, tl.trans(do), input_precision=PREC)
         dsT = pT * (dpT - delta[None, :])
-        if MASK:
-            if KLo is not None:  # non-finite delta or lse of rows that do not see the key
-                dsT = tl.where(keepT, dsT, 0.0)
         dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PREC)
-        if MASK:
-            if KLo is not None:
-                poison = tl.sum(tl.where(keepT, bad[None, :], 0.0), 1)[:, None]
-                dk += poison
-                dv += poison
         if not FROM_ROW0:
             lse_ptrs += BLOCK_M * sls
             delta_ptrs += BLOCK_M * ses
@@ -264,11 +248,6 @@ def _dq_inner(dq, q, do, lse, delta,  #
     for start_n in range(start, stop, BLOCK_N):
         k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
         v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
-        if MASK:
-            if row_lo is not None:  # documents: as in _fwd_inner
-                bad = nonfinite_rows(k) + nonfinite_rows(v)
-                k = finite_part(k, bad)
-                v = finite_part(v, bad)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASK:
@@ -279,13 +258,7 @@ def _dq_inner(dq, q, do, lse, delta,  #
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
-        if MASK:
-            if row_lo is not None:  # a padding row's NaN delta times its zero probabilities
-                ds = tl.where(keep, ds, 0.0)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
-        if MASK:
-            if row_lo is not None:
-                dq += tl.sum(tl.where(keep, bad[None, :], 0.0), 1)[:, None]
     return dq
 
 

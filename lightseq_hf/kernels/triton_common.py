@@ -99,20 +99,6 @@ def in_range(rows_lo, rows_hi, cols):
 
 
 @triton.jit
-def nonfinite_rows(x):
-    """Per row of a tile: 0.0 where every value is finite, NaN where one is NaN or infinite (x * 0 is
-    NaN exactly for those)."""
-    return tl.sum(x.to(tl.float32) * 0.0, 1)
-
-
-@triton.jit
-def finite_part(x, bad):
-    """The tile ``x`` with its non-finite rows (``bad`` from :func:`nonfinite_rows`) zeroed: a masked tile
-    multiplies whole rows by a zero probability, and 0 x NaN would reach rows of other documents."""
-    return tl.where((bad == 0.0)[:, None], x, 0.0)
-
-
-@triton.jit
 def row_tiles(X, n_b, length, n_heads, s_b, s_s, s_h, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
               D_PAD: tl.constexpr):
     """TMA descriptor of ``(BLOCK, D_PAD)`` row tiles of one head of a ``(batch, seq, heads, dim)``

@@ -14,10 +14,8 @@ from .triton_common import (
     LN2,
     RCP_LN2,
     configs,
-    finite_part,
     in_range,
     key_block_bounds,
-    nonfinite_rows,
     ranged_tiles,
     row_tiles,
     tune_bench,
@@ -46,11 +44,6 @@ def _fwd_inner(m_i, l_i, acc, q,  #
     for start_n in range(start, stop, BLOCK_N):
         k = desc_k.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
         v = desc_v.load([b, start_n, hk, 0]).reshape([BLOCK_N, D_PAD])
-        if MASK:
-            if row_lo is not None:  # documents: a non-finite key or value reaches only the rows that see it
-                bad = nonfinite_rows(k) + nonfinite_rows(v)
-                k = finite_part(k, bad)
-                v = finite_part(v, bad)
         qk = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         if MASK:
             if row_lo is not None:
@@ -68,9 +61,6 @@ def _fwd_inner(m_i, l_i, acc, q,  #
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-        if MASK:
-            if row_lo is not None:
-                acc += tl.sum(tl.where(keep, bad[None, :], 0.0), 1)[:, None]
         m_i = m_new
     return m_i, l_i, acc
 
