@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 Ranges = tuple[torch.Tensor, torch.Tensor]  # int32 (batch, rows): each row's keys [lo, hi)
+Tensor = torch.Tensor
 
 
 def bad_tokens(*tensors: torch.Tensor) -> torch.Tensor:
@@ -54,7 +55,7 @@ def _any_group(flags: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return flags.view(b, s, kv_heads, h // kv_heads).any(-1)
 
 
-def forward_inputs(k: torch.Tensor, v: torch.Tensor) -> tuple:
+def forward_inputs(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     """``(k, v, bad_keys)``: the inputs unchanged and None when all finite, else with the bad keys zeroed."""
     bad = bad_tokens(k, v)
     if not bool(bad.any()):
@@ -77,7 +78,8 @@ class BackwardContainment:
     bad_rows: torch.Tensor
 
 
-def backward_inputs(q, k, v, dout, lse, delta):
+def backward_inputs(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, BackwardContainment | None]:
     """``(q, k, v, dout, lse, delta, containment)``: unchanged and None when all finite, else the bad
     tokens zeroed (lse and delta of bad rows set to 0) and what was found."""
     bad_keys = bad_tokens(k, v)
