@@ -101,6 +101,16 @@ def test_group_sizes_must_be_positive() -> None:
     _one_line(e, "sp_size must be a positive int (ranks per sequence) or None (every rank); got 0")
 
 
+def test_groups_must_be_process_groups() -> None:
+    q, k, v = _qkv()
+    with pytest.raises(ValueError) as e:
+        lightseq_hf.dist_flash_attn(q, k, v, group=3)
+    _one_line(e, "group must be a torch.distributed.ProcessGroup or None (the world); got int")
+    with pytest.raises(ValueError) as e:
+        lightseq_hf.sync_gradients(torch.nn.Linear(2, 2), group=3)
+    _one_line(e, "group must be a torch.distributed.ProcessGroup or None (all ranks); got int")
+
+
 @pytest.fixture
 def patched():
     from tiny_models import make_model
@@ -206,3 +216,51 @@ def test_data_problems_found_by_the_workers_are_config_errors() -> None:
         tokenize_and_pack(datasets.Dataset.from_dict({"text": ["ab"]}), ByteTokenizer(), 64)
     with pytest.raises(ConfigError, match="cannot tell the format"):
         detect_format(["notes.bin"])
+
+
+def test_data_refusal_leaves_the_main_process_first_block(tmp_path: Path) -> None:
+    """The main rank builds the dataset while the others wait for it at the end of the block: a refusal must
+    leave the block normally (else the waiting ranks crash on the closed connection with a traceback)."""
+    import contextlib
+
+    import yaml
+
+    from lightseq_hf.training.config import config_from_dict
+    from lightseq_hf.training.data import ByteTokenizer, build_text_dataset
+
+    short = tmp_path / "short.txt"
+    short.write_text("ab")
+    cfg = config_from_dict(yaml.safe_load(Path(TINY).read_text()),
+                           ["data.type=files", f"data.paths=[{short}]", "tokenizer=bytes",
+                            "model.config.vocab_size=257", "context_length=64"], base_dir=ROOT / "configs")
+    left = []
+
+    @contextlib.contextmanager
+    def main_process_first():
+        yield
+        left.append(True)  # the barrier the other ranks wait at
+
+    with pytest.raises(ConfigError, match="the data holds fewer than context_length=64 tokens"):
+        build_text_dataset(cfg, ByteTokenizer(), main_process_first)
+    assert left == [True]
+
+
+@pytest.mark.slow
+def test_data_refused_after_a_two_process_launch_is_one_line(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    short = tmp_path / "short.txt"
+    short.write_text("ab")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "scripts/finetune.py", "--nproc", "2", TINY, "training.device=cpu",
+                           "data.type=files", f"data.paths=[{short}]", "tokenizer=bytes",
+                           "model.config.vocab_size=257", "context_length=64",
+                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("lightseq-finetune:")]
+    assert lines == ["lightseq-finetune: config error: the data holds fewer than context_length=64 tokens "
+                     "per packing batch; add data or lower context_length"], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr and "[rank1]" not in proc.stderr, proc.stderr

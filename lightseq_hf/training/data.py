@@ -195,10 +195,17 @@ def build_text_dataset(cfg: Any, tokenizer: Any, main_process_first: Callable | 
     import contextlib
 
     ctx = main_process_first() if main_process_first is not None else contextlib.nullcontext()
-    with ctx:
-        raw = load_raw_dataset(cfg.data)
-        return tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
-                                 cfg.data.add_eos, cfg.data.num_proc, packing=cfg.data.packing)
+    refused: ConfigError | None = None
+    with ctx:  # a refusal leaves the block normally: the other ranks wait for the main one in it
+        try:
+            raw = load_raw_dataset(cfg.data)
+            packed = tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
+                                       cfg.data.add_eos, cfg.data.num_proc, packing=cfg.data.packing)
+        except ConfigError as e:
+            refused = e
+    if refused is not None:
+        raise refused  # every rank reads the same data and refuses it the same way
+    return packed
 
 
 class ParallelSampler(Sampler[int]):
