@@ -216,6 +216,10 @@ def test_data_problems_found_by_the_workers_are_config_errors() -> None:
         tokenize_and_pack(datasets.Dataset.from_dict({"text": ["ab"]}), ByteTokenizer(), 64)
     with pytest.raises(ConfigError, match="cannot tell the format"):
         detect_format(["notes.bin"])
+    for texts, shown in (([None, "hello world"], "NoneType values (such as None)"), ([5], "int values")):
+        with pytest.raises(ConfigError) as e:  # an AttributeError inside the tokenizer otherwise
+            tokenize_and_pack(datasets.Dataset.from_dict({"text": texts}), ByteTokenizer(), 4)
+        _one_line(e, f"data.text_field: column 'text' holds {shown}")
 
 
 def test_data_refusal_leaves_the_main_process_first_block(tmp_path: Path) -> None:

@@ -166,6 +166,10 @@ def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: 
     eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
 
     def tokenize(batch: dict) -> dict:
+        bad = [t for t in batch[text_field] if not isinstance(t, str)]
+        if bad:
+            raise ConfigError(f"data.text_field: column {text_field!r} holds {type(bad[0]).__name__} values "
+                              f"(such as {repr(bad[0])[:40]}), not text; fix or drop those records")
         enc = tokenizer(batch[text_field], add_special_tokens=False) if not isinstance(
             tokenizer, ByteTokenizer) else tokenizer(batch[text_field])
         return {"ids": enc["input_ids"]}
