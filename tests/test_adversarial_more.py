@@ -130,6 +130,7 @@ def test_patched_model_refuses_malformed_inputs(patched) -> None:
         (dict(input_ids=ids[0]), "input_ids must be a 2-D (batch, seq) integer tensor; got shape (12,)"),
         (dict(input_ids=ids.float()), "input_ids must be a 2-D (batch, seq) integer tensor; got shape "
                                       "(2, 12), dtype torch.float32"),
+        (dict(input_ids=ids.to(torch.uint8)), "dtype torch.uint8 (add a batch dimension"),
         (dict(inputs_embeds=torch.randn(12, 64)), "inputs_embeds must be 3-D (batch, seq, hidden); got shape "
                                                   "(12, 64)"),
         (dict(input_ids=ids[:, :0]), "the inputs hold no tokens (shape (2, 0))"),

@@ -134,8 +134,7 @@ def _raise_different(rows: list[tuple[int, ...]]) -> None:
 def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
     """Raise ValueError unless the inputs are (batch, seq) token ids or (batch, seq, hidden) embeddings
     of at least one token."""
-    if input_ids is not None and (input_ids.dim() != 2 or input_ids.is_floating_point()
-                                  or input_ids.dtype == torch.bool):
+    if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
         raise ValueError(f"input_ids must be a 2-D (batch, seq) integer tensor; got shape "
                          f"{tuple(input_ids.shape)}, dtype {input_ids.dtype} (add a batch dimension with "
                          "input_ids[None]; token ids are int64).")
