@@ -96,6 +96,15 @@ def test_group_sizes_must_be_positive() -> None:
     with pytest.raises(ValueError) as e:
         lightseq_hf.pad_to_multiple(torch.zeros(1, 5), -2)
     _one_line(e, "multiple must be a positive int")
+    for world in ("3", 2.0):
+        with pytest.raises(ValueError) as e:
+            lightseq_hf.build_schedule(world)
+        _one_line(e, f"world size must be an int >= 1, got {world!r}")
+    with pytest.raises(ValueError) as e:
+        lightseq_hf.segments_from_hf(batch=1, length=4, position_ids=torch.tensor([[0, 0.5, 1, 2]]))
+    _one_line(e, "position_ids must be whole numbers")  # .long() would read [0, 0, 1, 2]: two documents
+    assert lightseq_hf.segments_from_hf(batch=1, length=4, position_ids=torch.tensor([[0.0, 1, 0, 1]])) == \
+        Segments(4, (((0, 2), (2, 4)),))
     with pytest.raises(ValueError) as e:
         lightseq_hf.init_sequence_parallel(0)
     _one_line(e, "sp_size must be a positive int (ranks per sequence) or None (every rank); got 0")

@@ -256,7 +256,11 @@ def segments_from_hf(
                 "instead of masking inside a row."
             )
     if position_ids is not None:
-        pos = position_ids.detach().cpu().long()
+        pos = position_ids.detach().cpu()
+        if pos.is_floating_point() and not bool((pos == pos.round()).all()):
+            raise ValueError("position_ids must be whole numbers (token positions, int64); got fractional "
+                             "values.")
+        pos = pos.long()
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
         if pos.dim() != 2 or pos.shape[-1] != length or pos.shape[0] not in (1, batch):
