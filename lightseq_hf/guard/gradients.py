@@ -32,6 +32,9 @@ def sync_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = Non
     share of the gradient until then. A gradient missing on some ranks counts as zeros there. A no-op
     without torch.distributed or on one rank.
     """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed.ProcessGroup or None (all ranks); got "
+                         f"{type(group).__name__}.")
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]

@@ -110,10 +110,14 @@ def check_parity(
     gradients differ between the ranks of a group.
     """
     start = time.perf_counter()
+    _check_options(max_tokens, rtol)
     target = _patched_module(model)
     group = resolve_sp_group(getattr(target, "_lightseq_settings", None))
     rank, sp_ranks = _rank_and_group(group)
     rows, length = batch_shape(batch)
+    if length < 2:
+        raise ValueError(f"the parity check needs rows of at least 2 tokens (a next-token loss); the batch's "
+                         f"rows have {length}.")
     prefix = take_prefix(batch, max_tokens or default_max_tokens(rows, length, len(sp_ranks)),
                          min(length, MIN_TOKENS_PER_RANK * len(sp_ranks)))
     device = _device_of(model)
@@ -150,6 +154,16 @@ def check_parity(
     if report["failures"]:
         raise ParityError("lightseq_hf parity check failed: " + "; ".join(report["failures"]), report)
     return report
+
+
+def _check_options(max_tokens: int | None, rtol: float | None) -> None:
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int (or None for the default); got {max_tokens!r}.")
+    if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float))
+                             or not math.isfinite(rtol) or rtol <= 0):
+        raise ValueError(f"rtol must be a positive finite number (or None for the dtype's default); "
+                         f"got {rtol!r}.")
 
 
 def _label_tokens(inputs: dict[str, Any], tokens: int) -> str:

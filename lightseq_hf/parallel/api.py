@@ -97,15 +97,25 @@ def _mask_kind(causal: bool, seg: Segments | None, window: int | None) -> MaskKi
     return MaskKind.CAUSAL if causal else MaskKind.FULL
 
 
-def _check_arguments(q, k, v, softmax_scale, schedule, backend, segments, cu_seqlens, window,
+def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, segments, cu_seqlens, window,
                      softcap) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"group must be a torch.distributed.ProcessGroup or None (the world); got "
+                         f"{type(group).__name__}.")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if backend not in backend_names():
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(backend_names())}.")
     check_qkv(q, k, v)
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be a finite number; got {softmax_scale}.")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False; got {causal!r} ({type(causal).__name__}).")
+    if softmax_scale is not None:
+        try:
+            finite = math.isfinite(softmax_scale)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"softmax_scale must be a number (or None); got {softmax_scale!r}.") from None
+        if not finite:
+            raise ValueError(f"softmax_scale must be a finite number; got {softmax_scale}.")
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
@@ -176,7 +186,8 @@ def dist_flash_attn(
     schedule balances visible pairs (it replaces ``schedule``, which applies to plain rows). ``softcap``:
     logit soft-capping, scores ``softcap * tanh(score / softcap)`` after the softmax scale (Gemma 2).
     """
-    _check_arguments(q, k, v, softmax_scale, schedule, backend, segments, cu_seqlens, window, softcap)
+    _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, segments, cu_seqlens,
+                     window, softcap)
     _, world = group_rank_and_size(group)
     seg = _segments_of(segments, cu_seqlens, window, q.shape[0], q.shape[1] * world, world, q.shape[1])
     lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))

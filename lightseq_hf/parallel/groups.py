@@ -43,6 +43,9 @@ def init_sequence_parallel(sp_size: int | None = None,
             raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
         timeout = datetime.timedelta(seconds=timeout)
     global _current
+    if sp_size is not None and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
+        raise ValueError(f"sp_size must be a positive int (ranks per sequence) or None (every rank); "
+                         f"got {sp_size!r}.")
     if not (dist.is_available() and dist.is_initialized()):
         if sp_size not in (None, 1):
             raise ValueError(

@@ -87,8 +87,8 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
     """The schedule for ``world`` ranks (``world >= 1``)."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}.")
-    if world < 1:
-        raise ValueError(f"world size must be >= 1, got {world}.")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world size must be an int >= 1, got {world!r}.")
     if not causal:
         steps = [tuple(Task(p, (p - t) % world) for p in range(world)) for t in range(world)]
         return Schedule(world, False, kind, tuple(steps))

@@ -19,6 +19,7 @@ a 2-D padding ``attention_mask``, restarting ``position_ids`` and ``cu_seq_lens_
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,16 @@ class Segments:
     docs: tuple[tuple[Doc, ...], ...]
 
     def __post_init__(self) -> None:
+        try:
+            length = operator.index(self.length)
+            docs = tuple(tuple((operator.index(a), operator.index(b)) for a, b in row) for row in self.docs)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"Segments takes an int length and, per batch row, a sequence of (start, stop) int pairs, "
+                f"e.g. Segments(8, (((0, 3), (3, 8)),)); got length {self.length!r}, docs {self.docs!r}."
+            ) from None
+        object.__setattr__(self, "length", length)
+        object.__setattr__(self, "docs", docs)
         if self.length < 0:
             raise ValueError(f"segment length must be >= 0, got {self.length}.")
         for r, row in enumerate(self.docs):
@@ -68,7 +79,7 @@ class Segments:
         ``cu_seqlens`` starts at 0 and increases; tokens after its last entry are padding. A
         document may not cross from one row into the next.
         """
-        cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        cu = _whole_numbers(cu_seqlens)
         total = batch * length
         if not cu or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])) or cu[-1] > total:
             raise ValueError(
@@ -109,6 +120,23 @@ class Segments:
     def checksum(self) -> int:
         """A deterministic 32-bit digest (ranks compare it to catch disagreeing segments)."""
         return zlib.crc32(torch.tensor(self.encode(), dtype=torch.int64).numpy().tobytes())
+
+
+def _whole_numbers(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
+    """``cu_seqlens`` as a list of ints; ValueError unless it is 1-D and holds whole numbers."""
+    try:
+        t = torch.as_tensor(cu_seqlens).detach().cpu()
+    except (TypeError, ValueError, RuntimeError, NotImplementedError):
+        t = None
+    if t is None or t.dim() != 1 or t.dtype == torch.bool or t.is_complex() or (
+            t.is_floating_point() and not bool((t == t.round()).all())):
+        shown = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else repr(cu_seqlens)[:80]
+        raise ValueError(
+            f"cu_seqlens must be a 1-D list or tensor of whole token counts (int32 or int64, like "
+            f"[0, 5, 12]); got {type(cu_seqlens).__name__} {shown}"
+            f"{'' if t is None else f' of dtype {t.dtype}'}."
+        )
+    return [int(x) for x in t.tolist()]
 
 
 @lru_cache(maxsize=256)
@@ -228,7 +256,11 @@ def segments_from_hf(
                 "instead of masking inside a row."
             )
     if position_ids is not None:
-        pos = position_ids.detach().cpu().long()
+        pos = position_ids.detach().cpu()
+        if pos.is_floating_point() and not bool((pos == pos.round()).all()):
+            raise ValueError("position_ids must be whole numbers (token positions, int64); got fractional "
+                             "values.")
+        pos = pos.long()
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
         if pos.dim() != 2 or pos.shape[-1] != length or pos.shape[0] not in (1, batch):

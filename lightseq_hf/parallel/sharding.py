@@ -69,6 +69,8 @@ def shard_for(seq_len: int, rank: int, world: int) -> SequenceShard:
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value: float = 0) -> torch.Tensor:
     """Right-pad ``x`` along ``dim`` with ``value`` to a length that is a multiple of ``multiple``."""
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"multiple must be a positive int (the group size); got {multiple!r}.")
     n = x.shape[dim]
     extra = -n % multiple
     if extra == 0:

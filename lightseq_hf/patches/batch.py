@@ -131,6 +131,22 @@ def _raise_different(rows: list[tuple[int, ...]]) -> None:
                      f"{', '.join(differ)}; {described}). {fix}")
 
 
+def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+    """Raise ValueError unless the inputs are (batch, seq) token ids or (batch, seq, hidden) embeddings
+    of at least one token."""
+    if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
+        raise ValueError(f"input_ids must be a 2-D (batch, seq) integer tensor; got shape "
+                         f"{tuple(input_ids.shape)}, dtype {input_ids.dtype} (add a batch dimension with "
+                         "input_ids[None]; token ids are int64).")
+    if inputs_embeds is not None and inputs_embeds.dim() != 3:
+        raise ValueError(f"inputs_embeds must be 3-D (batch, seq, hidden); got shape "
+                         f"{tuple(inputs_embeds.shape)}.")
+    full = input_ids if input_ids is not None else inputs_embeds
+    if full.shape[1] == 0:
+        raise ValueError(f"the inputs hold no tokens (shape {tuple(full.shape)}); a sequence-parallel "
+                         "forward needs at least one token per row.")
+
+
 def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torch.Tensor | None,
                 inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None, kwargs: dict[str, Any],
@@ -139,6 +155,7 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
     full = input_ids if input_ids is not None else inputs_embeds
+    check_inputs(input_ids, inputs_embeds)
     batch, seq = full.shape[:2]
     device = full.device
     group = resolve_sp_group(settings)

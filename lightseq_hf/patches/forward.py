@@ -226,6 +226,9 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     num_items = kwargs.pop("num_items_in_batch", None)
     check_outputs(model, kwargs)
     full = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
+    if shifted is not None and (shifted.is_floating_point() or shifted.dtype == torch.bool):
+        raise ValueError(f"labels must be integer token ids (int64, -100 where no loss is taken); got dtype "
+                         f"{shifted.dtype}.")
     if shifted is not None and full is not None and shifted.shape[:2] != full.shape[:2]:
         raise ValueError(f"labels have shape {tuple(shifted.shape)} but the inputs have "
                          f"{tuple(full.shape[:2])} (batch, tokens): expected length {full.shape[1]}.")

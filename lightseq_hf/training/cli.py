@@ -9,6 +9,7 @@ non-finite or peer failure (one line per rank that saw it).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -71,6 +72,16 @@ def _parser() -> _Parser:
     return p
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric options: process counts at least 1, memory sizes positive and finite."""
+    for flag, value in (("--nproc", args.nproc), ("--world-size", args.world_size)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be at least 1; got {value}")
+    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{flag} must be a positive number of GiB; got {value}")
+
+
 def check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume: Path | None) -> str:
     """What ``--check`` verified, in one line."""
     sp = cfg.sp_size or world
@@ -124,8 +135,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
     install_console_handler()
     try:
         args = _parser().parse_intermixed_args(argv)  # options may come after the overrides
-        if args.nproc is not None and args.nproc < 1:
-            raise ConfigError(f"--nproc must be at least 1; got {args.nproc}")
+        _check_numbers(args)
         world = args.world_size or args.nproc or _world_size()
         cfg = load_config(args.config, args.overrides, world_size=world)
         if args.check or args.nproc:

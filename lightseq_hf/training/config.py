@@ -352,6 +352,10 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
         cfg.saving.resume_from = _resolve(r, base)
         _need_path(cfg.saving.resume_from, "saving.resume_from",
                    f"checkpoint directory (or '{RESUME_LATEST}' / '{RESUME_LATEST_OR_FRESH}')")
+        if not Path(cfg.saving.resume_from).is_dir():
+            raise ConfigError(f"saving.resume_from: {cfg.saving.resume_from!r} is a file, not a checkpoint "
+                              f"directory; pass a checkpoint-<step> directory, '{RESUME_LATEST}' or "
+                              f"'{RESUME_LATEST_OR_FRESH}'")
 
 
 def _validate_layout(cfg: FinetuneConfig, world_size: int | None) -> None:
@@ -401,6 +405,11 @@ def _validate_data(cfg: FinetuneConfig, base: Path | None, vocab: int | None) ->
         for i, p in enumerate(dc.paths):
             dc.paths[i] = _resolve(str(p), base)
             _need_path(dc.paths[i], f"data.paths[{i}]", "data file")
+            if Path(dc.paths[i]).is_dir():
+                raise ConfigError(f"data.paths[{i}]: {dc.paths[i]!r} is a directory; list the data files in "
+                                  "it (data.paths=[dir/a.jsonl, dir/b.jsonl])")
+        if all(Path(q).stat().st_size == 0 for q in dc.paths):
+            raise ConfigError("data.paths: every data file is empty; add documents to them")
         if cfg.tokenizer is None and cfg.model.path is None:
             raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
         _check_formats(dc.paths, dc.format)
@@ -425,9 +434,10 @@ BYTE_VOCAB = 257  # data.ByteTokenizer: ids 0-255 and the end-of-text id 256
 
 def _check_formats(paths: list[str], fmt: str) -> None:
     """An explicit data.format must match every file whose extension says otherwise."""
-    from .data import FILE_FORMATS
+    from .data import FILE_FORMATS, detect_format
 
     if fmt == "auto":
+        detect_format(paths)  # a file of unknown format, or mixed formats: ConfigError
         return
     for i, p in enumerate(paths):
         suffixes = [x.lower() for x in Path(p).suffixes if x.lower() not in (".gz", ".bz2", ".xz", ".zst")]

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from .config import ConfigError
+
 FILE_FORMATS = {  # extension -> the `datasets` builder
     ".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",
     ".parquet": "parquet", ".csv": "csv"}
@@ -71,11 +73,11 @@ def detect_format(paths: Sequence[str], fmt: str = "auto") -> str:
         suffixes = [s for s in Path(p).suffixes if s not in (".gz", ".bz2", ".xz", ".zst")]
         ext = suffixes[-1].lower() if suffixes else ""
         if ext not in FILE_FORMATS:
-            raise ValueError(f"data.paths: cannot tell the format of {p!r} from its extension; "
+            raise ConfigError(f"data.paths: cannot tell the format of {p!r} from its extension; "
                              "set data.format")
         found.add(FILE_FORMATS[ext])
     if len(found) != 1:
-        raise ValueError(f"data.paths mix formats ({', '.join(sorted(found))}); use one format per run")
+        raise ConfigError(f"data.paths mix formats ({', '.join(sorted(found))}); use one format per run")
     return found.pop()
 
 
@@ -89,7 +91,7 @@ def load_raw_dataset(data_cfg: Any) -> Any:
     else:
         ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=data_cfg.split)
     if data_cfg.text_field not in ds.column_names:
-        raise ValueError(
+        raise ConfigError(
             f"data.text_field: column {data_cfg.text_field!r} not in the data (columns: "
             f"{', '.join(ds.column_names)})"
         )
@@ -164,6 +166,10 @@ def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: 
     eos = getattr(tokenizer, "eos_token_id", None) if add_eos else None
 
     def tokenize(batch: dict) -> dict:
+        bad = [t for t in batch[text_field] if not isinstance(t, str)]
+        if bad:
+            raise ConfigError(f"data.text_field: column {text_field!r} holds {type(bad[0]).__name__} values "
+                              f"(such as {repr(bad[0])[:40]}), not text; fix or drop those records")
         enc = tokenizer(batch[text_field], add_special_tokens=False) if not isinstance(
             tokenizer, ByteTokenizer) else tokenizer(batch[text_field])
         return {"ids": enc["input_ids"]}
@@ -180,7 +186,7 @@ def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: 
     packed = tok.map(pack, batched=True, batch_size=batch_docs, remove_columns=["ids"],
                      num_proc=num_proc, desc=f"packing into {context_length}-token sequences")
     if len(packed) == 0:
-        raise ValueError(
+        raise ConfigError(
             f"the data holds fewer than context_length={context_length} tokens per packing batch; "
             "add data or lower context_length"
         )
@@ -193,10 +199,17 @@ def build_text_dataset(cfg: Any, tokenizer: Any, main_process_first: Callable | 
     import contextlib
 
     ctx = main_process_first() if main_process_first is not None else contextlib.nullcontext()
-    with ctx:
-        raw = load_raw_dataset(cfg.data)
-        return tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
-                                 cfg.data.add_eos, cfg.data.num_proc, packing=cfg.data.packing)
+    refused: ConfigError | None = None
+    with ctx:  # a refusal leaves the block normally: the other ranks wait for the main one in it
+        try:
+            raw = load_raw_dataset(cfg.data)
+            packed = tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
+                                       cfg.data.add_eos, cfg.data.num_proc, packing=cfg.data.packing)
+        except ConfigError as e:
+            refused = e
+    if refused is not None:
+        raise refused  # every rank reads the same data and refuses it the same way
+    return packed
 
 
 class ParallelSampler(Sampler[int]):
@@ -271,7 +284,7 @@ def build_train_dataset(cfg: Any, tokenizer: Any = None, main_process_first: Cal
 
         return PasskeyDataset(passkey_spec(cfg, vocab_size=vocab_size), cfg.data.synthetic.num_samples)
     if tokenizer is None:
-        raise ValueError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
+        raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
     return build_text_dataset(cfg, tokenizer, main_process_first)
 
 
