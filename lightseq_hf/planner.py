@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._values import is_positive_int
+
 GIB = 2**30
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
@@ -48,7 +50,7 @@ class ModelShape:
             value = get(key)
             if value is None and key in _OPTIONAL_KEYS:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not is_positive_int(value):
                 raise ValueError(f"model config {key} must be a positive integer; got {value!r}")
         heads = get("num_attention_heads")
         hidden = get("hidden_size")

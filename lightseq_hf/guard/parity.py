@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._values import is_positive_int
 from ..patches.state import resolve_sp_group, unsharded
 from .gradients import SKETCH_DIM, gradient_sketch, is_sharded_gradient
 from .observe import AttentionWatch
@@ -157,8 +158,7 @@ def check_parity(
 
 
 def _check_options(max_tokens: int | None, rtol: float | None) -> None:
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
-                                   or max_tokens < 1):
+    if max_tokens is not None and not is_positive_int(max_tokens):
         raise ValueError(f"max_tokens must be a positive int (or None for the default); got {max_tokens!r}.")
     if rtol is not None and (isinstance(rtol, bool) or not isinstance(rtol, (int, float))
                              or not math.isfinite(rtol) or rtol <= 0):

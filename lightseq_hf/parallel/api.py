@@ -9,6 +9,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from .._values import is_positive_int
 from ..kernels import KernelRequest, MaskKind, backend_names, check_qkv, select_backend
 from ..kernels.base import check_softcap
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
@@ -123,7 +124,7 @@ def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, s
         )
     if segments is not None and cu_seqlens is not None:
         raise ValueError("pass segments or cu_seqlens, not both.")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and not is_positive_int(window):
         raise ValueError(f"window must be a positive int (or None); got {window!r}.")
     check_softcap(softcap)
 

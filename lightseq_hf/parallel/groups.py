@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .._values import is_positive_int
+
 
 @dataclass(frozen=True)
 class ParallelGroups:
@@ -43,7 +45,7 @@ def init_sequence_parallel(sp_size: int | None = None,
             raise ValueError(f"timeout must be a positive number of seconds; got {timeout}")
         timeout = datetime.timedelta(seconds=timeout)
     global _current
-    if sp_size is not None and (isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 1):
+    if sp_size is not None and not is_positive_int(sp_size):
         raise ValueError(f"sp_size must be a positive int (ranks per sequence) or None (every rank); "
                          f"got {sp_size!r}.")
     if not (dist.is_available() and dist.is_initialized()):

@@ -30,6 +30,7 @@ from functools import cache
 
 import torch
 
+from .._values import is_positive_int
 from .segments import visible_pairs
 
 SCHEDULES = ("balanced", "paper", "ring")
@@ -87,7 +88,7 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
     """The schedule for ``world`` ranks (``world >= 1``)."""
     if kind not in SCHEDULES:
         raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}.")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+    if not is_positive_int(world):
         raise ValueError(f"world size must be an int >= 1, got {world!r}.")
     if not causal:
         steps = [tuple(Task(p, (p - t) % world) for p in range(world)) for t in range(world)]

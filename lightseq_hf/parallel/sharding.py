@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .._values import is_positive_int
 from .fused_loss import IGNORE_INDEX, chunked_loss_sum
 
 __all__ = [
@@ -69,7 +70,7 @@ def shard_for(seq_len: int, rank: int, world: int) -> SequenceShard:
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value: float = 0) -> torch.Tensor:
     """Right-pad ``x`` along ``dim`` with ``value`` to a length that is a multiple of ``multiple``."""
-    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+    if not is_positive_int(multiple):
         raise ValueError(f"multiple must be a positive int (the group size); got {multiple!r}.")
     n = x.shape[dim]
     extra = -n % multiple

@@ -21,6 +21,8 @@ import logging
 
 import torch
 
+from .._values import is_positive_int
+
 logger = logging.getLogger("lightseq_hf")
 
 
@@ -160,8 +162,7 @@ def layer_mlps(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[str]
 
 def check_tiled_mlp(tile_tokens: int | None) -> int | None:
     """``tile_tokens`` if it is a positive int or None; else a ValueError saying what is wanted."""
-    if tile_tokens is not None and (isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int)
-                                    or tile_tokens < 1):
+    if tile_tokens is not None and not is_positive_int(tile_tokens):
         raise ValueError(f"tiled_mlp must be a positive number of tokens per tile (e.g. 8192) or None "
                          f"(untiled); got {tile_tokens!r}.")
     return tile_tokens

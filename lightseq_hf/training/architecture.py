@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from .._values import is_positive_int
 from .config import ConfigError
 
 POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -42,8 +43,7 @@ def _check_numbers(entries: dict, prefix: str = "model.config") -> None:
             _check_numbers(value, name)
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}: must be a finite number; got {value}")
-        elif key in POSITIVE_INT_KEYS and value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        elif key in POSITIVE_INT_KEYS and value is not None and not is_positive_int(value):
             raise ConfigError(f"{name}: must be a positive integer; got {value!r}")
         elif key == "rope_theta" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or value <= 0):
