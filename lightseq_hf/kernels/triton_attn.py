@@ -209,14 +209,15 @@ class TritonKernel(KernelBase):
             return dq_t, dk_t, dv_t
         if lse.dtype != torch.float32:
             lse = lse.float()
-        d_pad = triton.next_power_of_2(d)
+        q, dout = _tma_ready(q), _tma_ready(dout)
         _ensure_allocator(dev)
+        d_pad = triton.next_power_of_2(d)
         if delta is None:
-            delta = _delta(out, _tma_ready(dout), d_pad)
+            delta = _delta(out, dout, d_pad)
         found = None
         if key_range is not None:  # documents and windows: keep a NaN in the rows and keys that see it
+            # (zeroed copies, when any, are new contiguous tensors: ready for the kernels' descriptors)
             q, k, v, dout, lse, delta, found = nonfinite.backward_inputs(q, k, v, dout, lse, delta)
-        q, dout = _tma_ready(q), _tma_ready(dout)
         common = {"HEAD_DIM": d, "D_PAD": d_pad, "CAUSAL": bool(causal), "PREC": _prec(q.dtype),
                   "RANGED": key_range is not None}
         k_lo = k_hi = q_lo = q_hi = None
