@@ -278,3 +278,47 @@ def test_data_refused_after_a_two_process_launch_is_one_line(tmp_path: Path) -> 
     assert lines == ["lightseq-finetune: config error: the data holds fewer than context_length=64 tokens "
                      "per packing batch; add data or lower context_length"], proc.stderr
     assert "Traceback" not in proc.stdout + proc.stderr and "[rank1]" not in proc.stderr, proc.stderr
+
+
+def _shard_inputs_worker(rank: int, world: int) -> list[str]:
+    """On two ranks: a shard's own cu_seqlens is refused on every rank, the full rows' and explicit
+    Segments run; token ids outside the vocabulary are refused on every rank before any work."""
+    from tiny_models import VOCAB, make_batch, make_model
+
+    failures: list[str] = []
+
+    def refused(call, needle: str) -> None:
+        try:
+            call()
+            failures.append(f"rank {rank}: accepted, expected {needle!r}")
+        except ValueError as e:
+            if needle not in str(e) or "\n" in str(e):
+                failures.append(f"rank {rank}: {e}")
+
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(1, 8, 2, 8, generator=g) for _ in range(3))
+    refused(lambda: lightseq_hf.dist_flash_attn(q, k, v, cu_seqlens=[0, 3, 8]),
+            "cu_seqlens ends at 8, the size of one rank's shard (1 x 8 tokens)")
+    padded = lightseq_hf.dist_flash_attn(q, k, v, segments=Segments.from_cu_seqlens([0, 3, 8], 1, 16))
+    if rank == 1 and bool(padded.any()):
+        failures.append("rank 1: the padding of explicit Segments did not output 0")
+    if not torch.isfinite(lightseq_hf.dist_flash_attn(q, k, v, cu_seqlens=[0, 3, 16])).all():
+        failures.append(f"rank {rank}: the full rows' cu_seqlens gave non-finite output")
+
+    model = lightseq_hf.patch(make_model(layers=1))
+    ids, labels = make_batch(1, 12, 0)
+    for bad, shown in ((VOCAB, VOCAB), (-1, -1)):
+        wrong = ids.clone()
+        wrong[0, 9] = bad  # on rank 1's half: rank 0 alone would never see it
+        refused(lambda: model(input_ids=wrong, labels=labels),
+                f"input_ids hold token id {shown}, outside the model's vocabulary of {VOCAB}")
+    if not torch.isfinite(model(input_ids=ids, labels=labels).loss):
+        failures.append(f"rank {rank}: the well-formed batch after the refusals did not run")
+    lightseq_hf.unpatch()
+    return failures
+
+
+def test_shard_cu_seqlens_and_unknown_token_ids_are_refused_on_every_rank() -> None:
+    from distributed import run_distributed
+
+    assert run_distributed(_shard_inputs_worker, 2) == [[], []]

@@ -145,6 +145,26 @@ def _segments_of(segments, cu_seqlens, window, batch: int, length: int, world: i
     return seg
 
 
+def _check_not_a_shards_cu_seqlens(cu_seqlens, seg: Segments | None, world: int, local: int) -> None:
+    """Refuse ``cu_seqlens`` that end exactly where one rank's shard of the rows ends.
+
+    Those are almost always the cumulative lengths of this rank's shard, passed where the full rows' are
+    expected: read as full rows, every later token would be padding (output 0 on the other ranks).
+    ``segments`` states the full row length, so a caller who means that padding passes them instead.
+    """
+    if cu_seqlens is None or seg is None or world == 1:
+        return
+    ends = [r * seg.length + row[-1][1] for r, row in enumerate(seg.docs) if row]
+    if ends and max(ends) == seg.batch * local:
+        raise ValueError(
+            f"cu_seqlens ends at {seg.batch * local}, the size of one rank's shard ({seg.batch} x {local} "
+            f"tokens), but it must describe the full rows ({seg.batch} x {seg.length} tokens over {world} "
+            "ranks), the same on every rank; read as full rows, everything after it would be padding. Pass "
+            "the full rows' cumulative lengths, or, if the rest really is padding, pass "
+            "segments=Segments.from_cu_seqlens(cu_seqlens, batch, full_length) instead."
+        )
+
+
 def dist_flash_attn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -202,6 +222,7 @@ def dist_flash_attn(
             digest = digest * 31 + zlib.crc32(repr(float(softcap)).encode())
         check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend,
                           mask_digest=digest, chosen=chosen)
+    _check_not_a_shards_cu_seqlens(cu_seqlens, seg, world, q.shape[1])  # after the check: every rank agrees
     out, lse = dist_attn_fwd(
         q, k, v, causal, float(scale), group_handle(group), schedule, chosen,
         [] if seg is None else seg.encode(), window or 0, float(softcap or 0.0),

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 
 from ..parallel.ops import group_rank_and_size
 from ..parallel.segments import Segments, segments_from_hf
@@ -101,6 +102,7 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
     parts += [_fingerprint(x, where) for x in tensors]
     parts.append(torch.tensor([0 if segments is None else segments.checksum(), weights_digest(model)],
                               device=where, dtype=torch.int64))
+    parts.append(_id_range(input_ids, where))
     mine = torch.cat(parts)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -111,13 +113,39 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
                          "like input_ids: labels must be (batch, length).")
     if len(set(rows)) > 1:
         _raise_different(rows)
+    _check_vocabulary(rows[0][-2:], model)
+
+
+def _id_range(input_ids: torch.Tensor | None, where: torch.device) -> torch.Tensor:
+    """The smallest and largest token id (0, 0 without ids), gathered with the fingerprint so that the
+    vocabulary check costs no synchronisation of its own."""
+    if input_ids is None or input_ids.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=where)
+    ids = input_ids.detach()
+    return torch.stack([ids.min(), ids.max()]).to(where, torch.int64)
+
+
+def _check_vocabulary(id_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
+    """Token ids outside the input embedding's rows would fail deep in the embedding (on a GPU, as a
+    device-side assert); refuse them on every rank with the fix instead."""
+    embedding = model.get_input_embeddings() if isinstance(model, PreTrainedModel) else None
+    if not isinstance(embedding, torch.nn.Embedding):
+        return
+    low, high = id_range
+    if low < 0 or high >= embedding.num_embeddings:
+        raise ValueError(
+            f"input_ids hold token id {low if low < 0 else high}, outside the model's vocabulary of "
+            f"{embedding.num_embeddings} (ids 0 to {embedding.num_embeddings - 1}): the tokenizer does not "
+            "match the model; use the model's own tokenizer, or grow the embeddings to the tokenizer with "
+            "model.resize_token_embeddings(len(tokenizer))."
+        )
 
 
 def _raise_different(rows: list[tuple[int, ...]]) -> None:
     names = (["batch size", "length", "labels given", "labels shape"]
              + [f"{name} {part}" for name in FINGERPRINT_FIELDS for part in ("presence", "dtype", "values",
                                                                              "values")]
-             + ["documents (segments)", "weight dtypes"])
+             + ["documents (segments)", "weight dtypes", "token id range", "token id range"])
     differ = list(dict.fromkeys(n.replace(" values", "") if n.endswith("values") else n
                                 for i, n in enumerate(names) if len({r[i] for r in rows}) > 1))
     described = "; ".join(f"rank {r}: batch {x[0]}, length {x[1]}, labels {bool(x[2])}"
