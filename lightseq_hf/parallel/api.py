@@ -199,7 +199,8 @@ def dist_flash_attn(
 
     Packed documents and padding: ``segments`` (a :class:`~lightseq_hf.parallel.segments.Segments`
     of the *full* rows, the same on every rank) or ``cu_seqlens`` (cumulative document lengths over
-    the flattened full ``batch * seq`` tokens, flash-attn style; tokens after the last are padding).
+    the flattened full ``batch * seq`` tokens, flash-attn style; tokens after the last are padding;
+    refused when they end exactly at one shard's size, the sign of a shard's own lengths).
     Attention never crosses a document; padding tokens attend nothing and are attended by nothing
     (output 0, lse -inf, gradients 0), and a NaN in one document or padding token stays there. ``window``:
     sliding-window attention, key ``j`` visible from query ``i`` only when ``i - window < j`` (and,
