@@ -5,7 +5,8 @@ autocast under FSDP2 (``configs/accelerate/1node-8gpu-fsdp.yaml``):
 * sequence parallel over 2 GPUs: the per-step losses of 6 steps match the same run on one GPU
   without sequence parallelism within bf16 tolerance (accelerate's FSDP2 policy casts the model's
   outputs, the loss included, to bf16), and the job really ran 2-way sequence parallel;
-* a run resumed under FSDP2 from its step-3 checkpoint continues with the uninterrupted run's losses.
+* a run resumed under FSDP2 from that run's step-3 checkpoint into another output directory (with
+  ``saving.resume_other_run=true``) continues with the uninterrupted run's losses.
 
 Run on a machine with at least 2 GPUs: ``python -m pytest tests/gpu/test_finetune_gpu.py``.
 """
@@ -61,9 +62,10 @@ def test_fsdp2_sequence_parallel_matches_one_gpu_and_resumes(tmp_path: Path) -> 
         assert got[step] == pytest.approx(ref[step], rel=2e-2), (step, got, ref)
     assert len(set(got.values())) > 1  # the steps change the model
 
-    resumed = tmp_path / "resumed"
-    _launch(2, [f"output_dir={resumed}", "sp_size=2", f"saving.resume_from={sp / 'checkpoint-3'}",
-                "saving.final=false"], 29613)
+    resumed = tmp_path / "resumed"  # another output_dir: resuming there must be asked for, and is logged
+    out = _launch(2, [f"output_dir={resumed}", "sp_size=2", f"saving.resume_from={sp / 'checkpoint-3'}",
+                      "saving.resume_other_run=true", "saving.final=false"], 29613)
+    assert "a checkpoint of another run" in out
     again = _losses(resumed)
     assert sorted(again) == [4, 5, 6]
     for step in again:
