@@ -49,10 +49,11 @@ def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: t
         except Exception:
             pass
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    # End without interpreter finalization (as lightseq_hf.training.cli.run does for its workers): gloo's
-    # worker threads can outlive destroy_process_group while a group is still referenced, and one that
-    # needs the GIL during finalization is ended by pthread_exit, whose unwind through a noexcept frame
-    # aborts the process ("terminate called without an active exception") after correct results.
+    # End without interpreter finalization (as lightseq_hf.training.cli.run does for its workers): a gloo
+    # worker thread still freeing a finished collective's tensors needs the GIL there and is ended by
+    # pthread_exit, whose unwind through the work's noexcept destructor aborts the process ("terminate
+    # called without an active exception") after correct results (lightseq_hf.parallel.teardown waits for
+    # those threads at exit; these workers do not depend on it).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -1,11 +1,17 @@
 """Sequence parallelism: schedule (pure), communication, merge, the distributed attention."""
 
+import atexit
+
 from .api import dist_flash_attn
 from .groups import ParallelGroups, current_groups, init_sequence_parallel
 from .merge import merge_into
 from .schedule import SCHEDULES, Schedule, SpanTask, Task, build_schedule
 from .segment_schedule import TileCost, build_segment_schedule
 from .segments import Segments, segments_from_hf
+from .teardown import release_at_exit
+
+# Before the interpreter finalizes, while gloo's threads can still take the GIL (teardown's docstring).
+atexit.register(release_at_exit)
 
 __all__ = [
     "ParallelGroups",

@@ -86,5 +86,14 @@ def current_groups() -> ParallelGroups | None:
     return _current
 
 
+def release_groups() -> int:
+    """Forget the groups of :func:`init_sequence_parallel` (at exit: see ``teardown``); how many were
+    held."""
+    global _current
+    held = 0 if _current is None else sum(g is not None for g in (_current.sp_group, _current.dp_group))
+    _current = None
+    return held
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

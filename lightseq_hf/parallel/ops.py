@@ -76,6 +76,14 @@ def _context(handle: str, device: torch.device) -> tuple[int, int, PeerComm]:
     return rank, world, _comms[key]
 
 
+def release_comms() -> int:
+    """Drop the cached :class:`PeerComm` objects and the groups they hold (at exit: see ``teardown``);
+    how many there were."""
+    held = len(_comms)
+    _comms.clear()
+    return held
+
+
 def _plan(
     world: int, causal: bool, schedule: str, segments: list[int], window: int, device: torch.device
 ) -> tuple[Schedule, tuple[torch.Tensor, torch.Tensor] | None]:

@@ -178,11 +178,11 @@ def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> No
     then exit with its status.
 
     A worker of a multi-process run ends with ``os._exit`` once its output is flushed, skipping the
-    interpreter's finalization: threads of the process-group backends (gloo's workers, the store) can
-    outlive ``destroy_process_group`` (a wrapped model or the library's groups still reference them),
-    and one that needs the GIL while the interpreter finalizes is ended by ``pthread_exit``, whose
-    unwind through a ``noexcept`` frame aborts the process ("terminate called without an active
-    exception") after a correct run. Everything the run writes is closed before ``main`` returns."""
+    interpreter's finalization: a gloo worker thread still freeing a finished collective's tensors
+    needs the GIL there and is ended by ``pthread_exit``, whose unwind through the work's ``noexcept``
+    destructor aborts the process ("terminate called without an active exception") after a correct run.
+    The exit handler of ``lightseq_hf.parallel.teardown`` waits for those threads; ``os._exit`` does not
+    depend on it. Everything the run writes is closed before ``main`` returns."""
     code = main(argv, worker_module)
     if (_world_size() or 1) > 1:
         sys.stdout.flush()
