@@ -122,3 +122,11 @@ def test_backend_that_cannot_run_on_the_device_is_a_config_error() -> None:
     assert "tensors are on cpu; set training.backend=auto (or reference)" in str(e.value)
     for backend in ("auto", "reference"):
         check_backend_device(backend, model)
+
+
+def test_pad_to_multiple_names_a_missing_dimension() -> None:
+    with pytest.raises(ValueError) as e:
+        lightseq_hf.pad_to_multiple(torch.arange(5), 4)  # 1-D: there is no sequence dim 1
+    _one_line(e, "dim=1 is not a dimension of x, of shape (5,); the sequence is dim 1 of (batch, seq, ...)")
+    assert lightseq_hf.pad_to_multiple(torch.arange(5), 4, dim=0).tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert lightseq_hf.pad_to_multiple(torch.ones(1, 5), 4, dim=-1).shape == (1, 8)
