@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .._values import check_not_member
+
 #: random projections per parameter in a gradient sketch
 SKETCH_DIM = 8
 _BUCKET_BYTES = 64 * 2**20
@@ -32,6 +34,7 @@ def sync_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = Non
     share of the gradient until then. A gradient missing on some ranks counts as zeros there. A no-op
     without torch.distributed or on one rank.
     """
+    check_not_member(group)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed.ProcessGroup or None (all ranks); got "
                          f"{type(group).__name__}.")

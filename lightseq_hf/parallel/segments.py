@@ -272,22 +272,38 @@ def segments_from_hf(
         breaks = (pos[:, 1:] != pos[:, :-1] + 1) & valid[:, 1:] & valid[:, :-1]
         starts[:, 1:] |= breaks
     if cu_seq_lens_q is not None or cu_seq_lens_k is not None:
-        if cu_seq_lens_q is None or cu_seq_lens_k is None or not torch.equal(
-            cu_seq_lens_q.detach().cpu().long(), cu_seq_lens_k.detach().cpu().long()
-        ):
-            raise ValueError(
-                "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (causal self-attention of "
-                "packed documents)."
-            )
-        covered = torch.zeros(batch, length, dtype=torch.bool)
-        for r, row in enumerate(Segments.from_cu_seqlens(cu_seq_lens_q, batch, length).docs):
-            for start, stop in row:
-                covered[r, start:stop] = True
-                starts[r, start] = True
-        valid = valid & covered
+        valid, starts = _cu_documents(cu_seq_lens_q, cu_seq_lens_k, batch, length, valid, starts)
     if bool(valid.all()) and not bool(starts[:, 1:].any()):
         return None
     return Segments(length, tuple(_runs(valid[r], starts[r]) for r in range(batch)))
+
+
+def _cu_documents(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, batch: int, length: int,
+                  valid: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``valid`` and ``starts`` with the documents of flash-attn's cumulative lengths; ``starts`` holds the
+    document starts the position ids gave, each of which must also start a document here (flash-attn
+    would attend across a restart the lengths do not have; splitting there instead would mix the two)."""
+    if cu_q is None or cu_k is None or not torch.equal(cu_q.detach().cpu().long(),
+                                                       cu_k.detach().cpu().long()):
+        raise ValueError(
+            "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (causal self-attention of "
+            "packed documents)."
+        )
+    covered = torch.zeros(batch, length, dtype=torch.bool)
+    cu_starts = torch.zeros(batch, length, dtype=torch.bool)
+    for r, row in enumerate(Segments.from_cu_seqlens(cu_q, batch, length).docs):
+        for start, stop in row:
+            covered[r, start:stop] = True
+            cu_starts[r, start] = True
+    stray = starts & ~cu_starts & valid & covered
+    if bool(stray.any()):
+        r, t = (int(i) for i in stray.nonzero()[0])
+        raise ValueError(
+            f"position_ids restart at token {t} of row {r}, where cu_seq_lens_q/k start no document: the two "
+            "describe different documents. Pass position_ids that restart exactly where cu_seq_lens_q/k "
+            "start a document (or leave one of them out)."
+        )
+    return valid & covered, starts | cu_starts
 
 
 def as_segments(

@@ -72,6 +72,9 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, *, dim: int = 1, value: floa
     """Right-pad ``x`` along ``dim`` with ``value`` to a length that is a multiple of ``multiple``."""
     if not is_positive_int(multiple):
         raise ValueError(f"multiple must be a positive int (the group size); got {multiple!r}.")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim} is not a dimension of x, of shape {tuple(x.shape)}; the sequence is "
+                         "dim 1 of (batch, seq, ...) rows: add a batch dimension (x[None]) or pass dim=0.")
     n = x.shape[dim]
     extra = -n % multiple
     if extra == 0:

@@ -103,6 +103,7 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
     parts.append(torch.tensor([0 if segments is None else segments.checksum(), weights_digest(model)],
                               device=where, dtype=torch.int64))
     parts.append(_id_range(input_ids, where))
+    parts.append(_id_range(labels if labels_ok else None, where, ignore=IGNORE_INDEX))
     mine = torch.cat(parts)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
@@ -113,16 +114,38 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
                          "like input_ids: labels must be (batch, length).")
     if len(set(rows)) > 1:
         _raise_different(rows)
-    _check_vocabulary(rows[0][-2:], model)
+    _check_vocabulary(rows[0][-4:-2], model)
+    _check_label_range(rows[0][-2:], model)
 
 
-def _id_range(input_ids: torch.Tensor | None, where: torch.device) -> torch.Tensor:
-    """The smallest and largest token id (0, 0 without ids), gathered with the fingerprint so that the
-    vocabulary check costs no synchronisation of its own."""
+def _id_range(input_ids: torch.Tensor | None, where: torch.device, ignore: int | None = None) -> torch.Tensor:
+    """The smallest and largest token id (0, 0 without ids; ``ignore`` left out), gathered with the
+    fingerprint so that the vocabulary checks cost no synchronisation of their own."""
     if input_ids is None or input_ids.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=where)
     ids = input_ids.detach()
+    if ignore is not None:
+        kept = ids != ignore
+        if not bool(kept.any()):
+            return torch.zeros(2, dtype=torch.int64, device=where)
+        ids = ids[kept]
     return torch.stack([ids.min(), ids.max()]).to(where, torch.int64)
+
+
+def _check_label_range(label_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
+    """Labels outside the head's rows fail deep in the loss (on a GPU, as a device-side assert); refuse
+    them on every rank with the fix instead."""
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
+    width = getattr(head, "out_features", None)
+    if not isinstance(width, int):
+        return
+    low, high = label_range
+    if low < 0 or high >= width:
+        raise ValueError(
+            f"labels hold token id {low if low < 0 else high}, outside the model's output vocabulary of "
+            f"{width} (ids 0 to {width - 1}, or {IGNORE_INDEX} where no loss is taken): mark ignored "
+            f"positions with {IGNORE_INDEX}, and take labels from the model's own tokenizer."
+        )
 
 
 def _check_vocabulary(id_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
@@ -145,7 +168,8 @@ def _raise_different(rows: list[tuple[int, ...]]) -> None:
     names = (["batch size", "length", "labels given", "labels shape"]
              + [f"{name} {part}" for name in FINGERPRINT_FIELDS for part in ("presence", "dtype", "values",
                                                                              "values")]
-             + ["documents (segments)", "weight dtypes", "token id range", "token id range"])
+             + ["documents (segments)", "weight dtypes", "token id range", "token id range", "label id range",
+       "label id range"])
     differ = list(dict.fromkeys(n.replace(" values", "") if n.endswith("values") else n
                                 for i, n in enumerate(names) if len({r[i] for r in rows}) > 1))
     described = "; ".join(f"rank {r}: batch {x[0]}, length {x[1]}, labels {bool(x[2])}"

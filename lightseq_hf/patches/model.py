@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._values import check_not_member
 from ..checkpoint import CHECKPOINTING_MODES, check_offload_layers, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
 from . import state
@@ -74,6 +75,7 @@ def patch(
         )
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+    check_not_member(sp_group)
     if sp_group is not None and not isinstance(sp_group, dist.ProcessGroup):
         raise ValueError(
             f"sp_group must be a torch.distributed.ProcessGroup or None, got {type(sp_group).__name__}."

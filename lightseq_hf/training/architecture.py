@@ -15,6 +15,8 @@ from .config import ConfigError
 
 POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+#: the config keys architectures read their attention dropout from
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop")
 
 
 def _path_entries(model_path: str | None) -> dict:
@@ -87,9 +89,20 @@ def check_model_config(entries: dict | None, model_path: str | None) -> None:
     if isinstance(kv, int) and isinstance(heads, int) and kv > 0 and heads % kv:
         raise ConfigError(f"model.config: num_attention_heads {heads} is not a multiple of "
                           f"num_key_value_heads {kv} (each key/value head serves a group of query heads)")
+    _check_attention_dropout(merged)
     model_type = entries.pop("model_type", None) or merged.get("model_type")
     if model_type is not None and entries:
         _check_against_defaults(_config_class(model_type), entries)
+
+
+def _check_attention_dropout(merged: dict) -> None:
+    """The distributed attention has no dropout and refuses it at the first training step; a run would
+    stop there after its set-up, so it is refused with the config."""
+    for key in ATTENTION_DROPOUT_KEYS:
+        rate = merged.get(key)
+        if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+            raise ConfigError(f"model.config.{key}: {rate}; lightseq_hf's distributed attention has no "
+                              f"dropout; set model.config.{key}=0.0")
 
 
 def model_vocab_size(entries: dict | None, model_path: str | None) -> int | None:

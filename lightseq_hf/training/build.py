@@ -94,6 +94,21 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
     return layers
 
 
+def check_backend_device(backend: str, model: torch.nn.Module) -> None:
+    """ConfigError when ``training.backend`` cannot run on the model's device: found at set-up, in one
+    line, instead of as a traceback from the first attention call. The dtype is left out: under mixed
+    precision the attention sees another dtype than the weights."""
+    from ..kernels.autoselect import refusal
+    from ..kernels.base import KernelRequest
+
+    weight = next(model.parameters(), None)
+    if backend == "auto" or weight is None:
+        return
+    reason = refusal(backend, KernelRequest(weight.device))
+    if reason is not None:
+        raise ConfigError(f"training.backend: {backend!r} {reason}; set training.backend=auto (or reference)")
+
+
 def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
                 offload: bool | int | None = None) -> torch.nn.Module:
     """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
@@ -102,6 +117,7 @@ def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
 
     ckpt = cfg.training.checkpointing
     offload = cfg.training.offload_checkpoints if offload is None else offload
+    check_backend_device(cfg.training.backend, model)
     model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
                                     checkpointing="remat" if ckpt == "none" else ckpt,
                                     offload_checkpoints=offload,

@@ -314,6 +314,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None,
                 world_size: int | None = None) -> FinetuneConfig:
     """Read a YAML file, apply ``key.sub=value`` overrides, validate."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file (e.g. configs/tiny.yaml)")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     with open(path) as f:
