@@ -1,9 +1,10 @@
-"""Inputs that used to fail deep inside torch or give a quietly mixed result, each now refused with one
-line that names the problem and the fix: labels outside the model's output vocabulary (a device-side
+"""Inputs that would fail deep inside torch or give a quietly mixed result, each refused with one line
+that names the problem and the fix: labels outside the model's output vocabulary (a device-side
 assert on a GPU), ``position_ids`` that restart where ``cu_seq_lens_q/k`` start no document (neither
 reading is the caller's), a group this rank is not a member of, a directory given as the config file,
 attention dropout in ``model.config``, and a ``training.backend`` that cannot run on the run's device.
-Inputs next to them that are well-formed still give the unpatched model's numbers."""
+Inputs next to them that are well-formed still give the unpatched model's numbers. A warmup longer than
+the run is legal but says that the learning rate never reaches ``training.lr``."""
 
 from __future__ import annotations
 
@@ -130,3 +131,18 @@ def test_pad_to_multiple_names_a_missing_dimension() -> None:
     _one_line(e, "dim=1 is not a dimension of x, of shape (5,); the sequence is dim 1 of (batch, seq, ...)")
     assert lightseq_hf.pad_to_multiple(torch.arange(5), 4, dim=0).tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
     assert lightseq_hf.pad_to_multiple(torch.ones(1, 5), 4, dim=-1).shape == (1, 8)
+
+
+def test_warmup_longer_than_the_run_says_so(caplog) -> None:
+    from lightseq_hf.training.build import build_optimizer
+
+    cfg = config_from_dict(copy.deepcopy(TINY), ["training.warmup_steps=40", "training.lr=1e-3"],
+                           base_dir=ROOT / "configs")
+    caplog.set_level("WARNING", logger="lightseq_hf")
+    optimizer, scheduler = build_optimizer(torch.nn.Linear(4, 4), cfg, 10)
+    said = "training.warmup_steps=40 exceeds the run's 10 steps: the learning rate peaks at 0.00025"
+    assert said in caplog.text
+    for _ in range(9):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4)  # the peak the warning names

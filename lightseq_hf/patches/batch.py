@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import PreTrainedModel
 
 from ..parallel.ops import group_rank_and_size
 from ..parallel.segments import Segments, segments_from_hf
@@ -119,26 +118,29 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
 
 
 def _id_range(input_ids: torch.Tensor | None, where: torch.device, ignore: int | None = None) -> torch.Tensor:
-    """The smallest and largest token id (0, 0 without ids; ``ignore`` left out), gathered with the
+    """The smallest and largest token id (0, 0 without ids; ``ignore`` read as 0), gathered with the
     fingerprint so that the vocabulary checks cost no synchronisation of their own."""
     if input_ids is None or input_ids.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=where)
     ids = input_ids.detach()
-    if ignore is not None:
-        kept = ids != ignore
-        if not bool(kept.any()):
-            return torch.zeros(2, dtype=torch.int64, device=where)
-        ids = ids[kept]
+    if ignore is not None:  # ignored positions read as id 0, always in range (no host synchronisation)
+        ids = ids.masked_fill(ids == ignore, 0)
     return torch.stack([ids.min(), ids.max()]).to(where, torch.int64)
+
+
+def _hf_model(model: torch.nn.Module | None) -> bool:
+    from transformers import PreTrainedModel  # loaded once a model exists; the core imports without it
+
+    return isinstance(model, PreTrainedModel)
 
 
 def _check_label_range(label_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
     """Labels outside the head's rows fail deep in the loss (on a GPU, as a device-side assert); refuse
     them on every rank with the fix instead."""
-    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
-    width = getattr(head, "out_features", None)
-    if not isinstance(width, int):
+    head = model.get_output_embeddings() if _hf_model(model) else None
+    if not isinstance(head, torch.nn.Linear):
         return
+    width = head.out_features
     low, high = label_range
     if low < 0 or high >= width:
         raise ValueError(
@@ -151,7 +153,7 @@ def _check_label_range(label_range: tuple[int, ...], model: torch.nn.Module | No
 def _check_vocabulary(id_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
     """Token ids outside the input embedding's rows would fail deep in the embedding (on a GPU, as a
     device-side assert); refuse them on every rank with the fix instead."""
-    embedding = model.get_input_embeddings() if isinstance(model, PreTrainedModel) else None
+    embedding = model.get_input_embeddings() if _hf_model(model) else None
     if not isinstance(embedding, torch.nn.Embedding):
         return
     low, high = id_range

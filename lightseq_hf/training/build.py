@@ -171,5 +171,9 @@ def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: in
         [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=t.lr, betas=tuple(t.betas), fused=False,
     )
+    if t.warmup_steps > total_steps:
+        logger.warning(f"training.warmup_steps={t.warmup_steps} exceeds the run's {total_steps} steps: the "
+                       f"learning rate peaks at {t.lr * total_steps / t.warmup_steps:.3g}, not training.lr="
+                       f"{t.lr:g}; lower warmup_steps to reach it")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
     return optimizer, scheduler
