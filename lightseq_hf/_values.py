@@ -17,3 +17,14 @@ def check_not_member(group: object) -> None:
         raise ValueError("group: this rank is not a member of the process group passed (new_group returns "
                          "GroupMember.NON_GROUP_MEMBER on the ranks it leaves out); call it only on the "
                          "group's own ranks.")
+
+
+def check_group(group: object, name: str = "group", default: str = "all ranks") -> None:
+    """ValueError unless ``group`` is a ``torch.distributed.ProcessGroup`` that holds this rank, or None
+    (``default`` says what None means)."""
+    import torch.distributed as dist
+
+    check_not_member(group)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"{name} must be a torch.distributed.ProcessGroup or None ({default}); got "
+                         f"{type(group).__name__}.")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .._values import check_not_member
+from .._values import check_group
 
 #: random projections per parameter in a gradient sketch
 SKETCH_DIM = 8
@@ -34,10 +34,7 @@ def sync_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = Non
     share of the gradient until then. A gradient missing on some ranks counts as zeros there. A no-op
     without torch.distributed or on one rank.
     """
-    check_not_member(group)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group must be a torch.distributed.ProcessGroup or None (all ranks); got "
-                         f"{type(group).__name__}.")
+    check_group(group)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     params = [p for p in model.parameters() if p.requires_grad]

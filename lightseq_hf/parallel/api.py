@@ -9,7 +9,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from .._values import check_not_member, is_positive_int
+from .._values import check_group, is_positive_int
 from ..kernels import KernelRequest, MaskKind, backend_names, check_qkv, select_backend
 from ..kernels.base import check_softcap
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
@@ -100,10 +100,7 @@ def _mask_kind(causal: bool, seg: Segments | None, window: int | None) -> MaskKi
 
 def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, segments, cu_seqlens, window,
                      softcap) -> None:
-    check_not_member(group)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group must be a torch.distributed.ProcessGroup or None (the world); got "
-                         f"{type(group).__name__}.")
+    check_group(group, default="the world")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if backend not in backend_names():

@@ -122,14 +122,18 @@ class Segments:
         return zlib.crc32(torch.tensor(self.encode(), dtype=torch.int64).numpy().tobytes())
 
 
+def _has_fraction(t: torch.Tensor) -> bool:
+    """True for a floating-point tensor holding a value that is not a whole number."""
+    return t.is_floating_point() and not bool((t == t.round()).all())
+
+
 def _whole_numbers(cu_seqlens: torch.Tensor | Sequence[int]) -> list[int]:
     """``cu_seqlens`` as a list of ints; ValueError unless it is 1-D and holds whole numbers."""
     try:
         t = torch.as_tensor(cu_seqlens).detach().cpu()
     except (TypeError, ValueError, RuntimeError, NotImplementedError):
         t = None
-    if t is None or t.dim() != 1 or t.dtype == torch.bool or t.is_complex() or (
-            t.is_floating_point() and not bool((t == t.round()).all())):
+    if t is None or t.dim() != 1 or t.dtype == torch.bool or t.is_complex() or _has_fraction(t):
         shown = tuple(cu_seqlens.shape) if isinstance(cu_seqlens, torch.Tensor) else repr(cu_seqlens)[:80]
         raise ValueError(
             f"cu_seqlens must be a 1-D list or tensor of whole token counts (int32 or int64, like "
@@ -257,7 +261,7 @@ def segments_from_hf(
             )
     if position_ids is not None:
         pos = position_ids.detach().cpu()
-        if pos.is_floating_point() and not bool((pos == pos.round()).all()):
+        if _has_fraction(pos):
             raise ValueError("position_ids must be whole numbers (token positions, int64); got fractional "
                              "values.")
         pos = pos.long()

@@ -113,8 +113,7 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
                          "like input_ids: labels must be (batch, length).")
     if len(set(rows)) > 1:
         _raise_different(rows)
-    _check_vocabulary(rows[0][-4:-2], model)
-    _check_label_range(rows[0][-2:], model)
+    _check_vocabulary(rows[0][-4:-2], rows[0][-2:], model)
 
 
 def _id_range(input_ids: torch.Tensor | None, where: torch.device, ignore: int | None = None) -> torch.Tensor:
@@ -134,36 +133,30 @@ def _hf_model(model: torch.nn.Module | None) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _check_label_range(label_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
-    """Labels outside the head's rows fail deep in the loss (on a GPU, as a device-side assert); refuse
-    them on every rank with the fix instead."""
-    head = model.get_output_embeddings() if _hf_model(model) else None
-    if not isinstance(head, torch.nn.Linear):
-        return
-    width = head.out_features
-    low, high = label_range
-    if low < 0 or high >= width:
-        raise ValueError(
-            f"labels hold token id {low if low < 0 else high}, outside the model's output vocabulary of "
-            f"{width} (ids 0 to {width - 1}, or {IGNORE_INDEX} where no loss is taken): mark ignored "
-            f"positions with {IGNORE_INDEX}, and take labels from the model's own tokenizer."
-        )
-
-
-def _check_vocabulary(id_range: tuple[int, ...], model: torch.nn.Module | None) -> None:
-    """Token ids outside the input embedding's rows would fail deep in the embedding (on a GPU, as a
-    device-side assert); refuse them on every rank with the fix instead."""
-    embedding = model.get_input_embeddings() if _hf_model(model) else None
-    if not isinstance(embedding, torch.nn.Embedding):
-        return
+def _check_id_range(id_range: tuple[int, ...], rows: int, what: str, table: str, fix: str,
+                    also: str = "") -> None:
+    """Ids outside a table of ``rows`` fail deep in the embedding or the loss (on a GPU, as a device-side
+    assert); refuse them on every rank with the fix instead."""
     low, high = id_range
-    if low < 0 or high >= embedding.num_embeddings:
-        raise ValueError(
-            f"input_ids hold token id {low if low < 0 else high}, outside the model's vocabulary of "
-            f"{embedding.num_embeddings} (ids 0 to {embedding.num_embeddings - 1}): the tokenizer does not "
-            "match the model; use the model's own tokenizer, or grow the embeddings to the tokenizer with "
-            "model.resize_token_embeddings(len(tokenizer))."
-        )
+    if low < 0 or high >= rows:
+        raise ValueError(f"{what} hold token id {low if low < 0 else high}, outside the model's {table} of "
+                         f"{rows} (ids 0 to {rows - 1}{also}): {fix}")
+
+
+def _check_vocabulary(id_range: tuple[int, ...], label_range: tuple[int, ...],
+                      model: torch.nn.Module | None) -> None:
+    """Token ids against the input embedding's rows, labels against the head's."""
+    if not _hf_model(model):
+        return
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(embedding, torch.nn.Embedding):
+        _check_id_range(id_range, embedding.num_embeddings, "input_ids", "vocabulary",
+                        "the tokenizer does not match the model; use the model's own tokenizer, or grow the "
+                        "embeddings to the tokenizer with model.resize_token_embeddings(len(tokenizer)).")
+    if isinstance(head, torch.nn.Linear):
+        _check_id_range(label_range, head.out_features, "labels", "output vocabulary",
+                        f"mark ignored positions with {IGNORE_INDEX}, and take labels from the model's own "
+                        "tokenizer.", also=f", or {IGNORE_INDEX} where no loss is taken")
 
 
 def _raise_different(rows: list[tuple[int, ...]]) -> None:

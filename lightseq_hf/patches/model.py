@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._values import check_not_member
+from .._values import check_group
 from ..checkpoint import CHECKPOINTING_MODES, check_offload_layers, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
 from . import state
@@ -75,11 +75,7 @@ def patch(
         )
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    check_not_member(sp_group)
-    if sp_group is not None and not isinstance(sp_group, dist.ProcessGroup):
-        raise ValueError(
-            f"sp_group must be a torch.distributed.ProcessGroup or None, got {type(sp_group).__name__}."
-        )
+    check_group(sp_group, "sp_group", "the world, or the groups of init_sequence_parallel")
     check_offload_layers(offload_checkpoints)
     settings = PatchSettings(sp_group, checkpointing, backend, offload_checkpoints,
                              check_tiled_mlp(tiled_mlp))
