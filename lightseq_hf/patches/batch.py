@@ -133,14 +133,14 @@ def _hf_model(model: torch.nn.Module | None) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _check_id_range(id_range: tuple[int, ...], rows: int, what: str, table: str, fix: str,
+def _check_id_range(id_range: tuple[int, ...], rows: int, what: str, outside: str, fix: str,
                     also: str = "") -> None:
     """Ids outside a table of ``rows`` fail deep in the embedding or the loss (on a GPU, as a device-side
     assert); refuse them on every rank with the fix instead."""
     low, high = id_range
     if low < 0 or high >= rows:
-        raise ValueError(f"{what} hold token id {low if low < 0 else high}, outside the model's {table} of "
-                         f"{rows} (ids 0 to {rows - 1}{also}): {fix}")
+        raise ValueError(f"{what} hold token id {low if low < 0 else high}, {outside} of {rows} (ids 0 to "
+                         f"{rows - 1}{also}): {fix}")
 
 
 def _check_vocabulary(id_range: tuple[int, ...], label_range: tuple[int, ...],
@@ -150,11 +150,12 @@ def _check_vocabulary(id_range: tuple[int, ...], label_range: tuple[int, ...],
         return
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     if isinstance(embedding, torch.nn.Embedding):
-        _check_id_range(id_range, embedding.num_embeddings, "input_ids", "vocabulary",
+        _check_id_range(id_range, embedding.num_embeddings, "input_ids", "outside the model's vocabulary",
                         "the tokenizer does not match the model; use the model's own tokenizer, or grow the "
                         "embeddings to the tokenizer with model.resize_token_embeddings(len(tokenizer)).")
     if isinstance(head, torch.nn.Linear):
-        _check_id_range(label_range, head.out_features, "labels", "output vocabulary",
+        _check_id_range(label_range, head.out_features, "labels",
+                        "outside the model's output vocabulary",
                         f"mark ignored positions with {IGNORE_INDEX}, and take labels from the model's own "
                         "tokenizer.", also=f", or {IGNORE_INDEX} where no loss is taken")
 
