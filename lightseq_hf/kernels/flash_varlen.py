@@ -18,28 +18,25 @@ This module knows nothing of documents, segments or schedules: callers build the
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
-from .base import Capabilities, DocBlocks, KernelBase, Rows, make_doc_blocks, merge_into
+from .base import Capabilities, DocBlocks, KernelBase, make_doc_blocks
+from .packed_rows import (
+    RowMap,
+    check_backward_rows,
+    check_blocks,
+    gather_rows,
+    gradient_buffers,
+    in_accumulate_dtype,
+    merge_rows,
+    running_buffers,
+    whole_rows,
+)
 
 __all__ = ["DocBlocks", "FlashVarlenKernel", "make_doc_blocks", "usable", "whole_rows"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
-
-
-def whole_rows(batch: int, q_len: int, kv_len: int, causal: bool, device: torch.device | str) -> DocBlocks:
-    """Every batch row as one block (plain attention; causal aligned bottom-right); cached."""
-    return _whole_rows(batch, q_len, kv_len, causal, str(device))
-
-
-@lru_cache(maxsize=64)
-def _whole_rows(batch: int, q_len: int, kv_len: int, causal: bool, device: str) -> DocBlocks:
-    if batch == 0 or q_len == 0 or kv_len == 0:
-        return make_doc_blocks((), (), [], [], causal, device)
-    return make_doc_blocks((q_len,) * batch, (kv_len,) * batch, slice(0, batch * q_len),
-                           slice(0, batch * kv_len), causal, device)
 
 
 # --- the ops (tests replace these two with a CPU emulation) -------------------------------------------
@@ -127,78 +124,15 @@ def usable(device: torch.device) -> bool:
     return _usable[key]
 
 
-# --- row plumbing --------------------------------------------------------------------------------------
-
-class _RowMap:
-    """Fed rows of ``(batch, length, ...)`` tensors (flat row ``r`` is ``[r // length, r % length]``):
-    views when the rows are a run inside one batch row, else advanced indices."""
-
-    def __init__(self, rows: Rows, batch: int, length: int, device: torch.device) -> None:
-        self.view: tuple[int, slice] | None = None
-        if isinstance(rows, slice):
-            b0 = rows.start // length if length else 0
-            if rows.stop - rows.start == 0 or (rows.stop - 1) // length == b0:
-                self.view = (b0, slice(rows.start - b0 * length, rows.stop - b0 * length))
-                return
-            rows = torch.arange(rows.start, rows.stop, device=device)
-        self.batch_idx = torch.div(rows, length, rounding_mode="floor")
-        self.pos_idx = rows - self.batch_idx * length
-
-    def take(self, x: torch.Tensor) -> torch.Tensor:
-        """``(batch, length, H, D)`` -> ``(total, H, D)`` (a view when possible)."""
-        if self.view is not None:
-            return x[self.view[0], self.view[1]]
-        return x[self.batch_idx, self.pos_idx]
-
-    def take_lse(self, lse: torch.Tensor) -> torch.Tensor:
-        """``(batch, H, length)`` -> ``(H, total)`` (a view when possible)."""
-        if self.view is not None:
-            return lse[self.view[0], :, self.view[1]]
-        return lse[self.batch_idx, :, self.pos_idx].t()
-
-    def put(self, x: torch.Tensor, values: torch.Tensor, *, accumulate: bool = False) -> None:
-        """Write (or add) ``(total, H, D)`` values into the rows of ``(batch, length, H, D)`` ``x``."""
-        if self.view is not None:
-            dst = x[self.view[0], self.view[1]]
-            if accumulate:
-                dst.add_(values)
-            else:
-                dst.copy_(values)
-        else:
-            x.index_put_((self.batch_idx, self.pos_idx), values.to(x.dtype), accumulate=accumulate)
-
-    def put_lse(self, lse: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``(H, total)`` values into the rows of ``(batch, H, length)`` ``lse``."""
-        if self.view is not None:
-            lse[self.view[0], :, self.view[1]] = values
-        else:
-            lse[self.batch_idx, :, self.pos_idx] = values.t().to(lse.dtype)
-
-
-def _flat_rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-
-def _gather(x: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """Rows of ``x`` ``(batch, length, H, D)`` flattened, contiguous ``(total, H, D)``."""
-    flat = _flat_rows(x)
-    return (flat[rows] if isinstance(rows, slice) else flat.index_select(0, rows)).contiguous()
-
-
-def _acc(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in float32 (float64 stays float64)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def _lse_rows(lse: torch.Tensor, blocks: DocBlocks) -> torch.Tensor:
     """The op's lse as ``(heads, total_q)`` float32, from either layout; rows that see no key get
     ``-inf`` (FlashAttention writes ``+inf`` there; only causal blocks with more queries than keys
     have such rows)."""
     if lse.dim() == 2:
-        rows = _acc(lse)
+        rows = in_accumulate_dtype(lse)
     else:
         block, pos = blocks.padded_lse_index
-        rows = _acc(lse[block, :, pos].t())
+        rows = in_accumulate_dtype(lse[block, :, pos].t())
     if blocks.causal and any(m > n for m, n in zip(blocks.q_lens, blocks.k_lens)):
         rows = torch.where(rows == math.inf, -math.inf, rows)
     return rows
@@ -214,20 +148,6 @@ def _lse_for_op(rows_lse: torch.Tensor, blocks: DocBlocks, padded: bool) -> torc
     out = rows_lse.new_zeros((blocks.num_blocks, rows_lse.shape[0], blocks.max_q))
     out[block, :, pos] = rows_lse.t()
     return out
-
-
-def _check_blocks(blocks: DocBlocks, q: torch.Tensor, k: torch.Tensor) -> None:
-    rows_q, rows_k = q.shape[0] * q.shape[1], k.shape[0] * k.shape[1]
-    for name, rows, total, limit in (("q_rows", blocks.q_rows, blocks.total_q, rows_q),
-                                     ("k_rows", blocks.k_rows, blocks.total_k, rows_k)):
-        if isinstance(rows, slice) and not (0 <= rows.start <= rows.stop <= limit
-                                            and rows.stop - rows.start == total):
-            raise ValueError(f"doc_blocks {name} {rows} does not fit {total} fed rows of {limit}.")
-        if isinstance(rows, torch.Tensor) and (rows.numel() != total or rows.device != q.device):
-            raise ValueError(f"doc_blocks {name} has {rows.numel()} indices on {rows.device}; the blocks "
-                             f"feed {total} rows on {q.device}.")
-    if blocks.cu_q.device != q.device:
-        raise ValueError(f"doc_blocks live on {blocks.cu_q.device}; the tensors on {q.device}.")
 
 
 class FlashVarlenKernel(KernelBase):
@@ -252,68 +172,44 @@ class FlashVarlenKernel(KernelBase):
     def _blocks(self, q, k, mask) -> DocBlocks:
         if mask.doc_blocks is None:
             return whole_rows(q.shape[0], q.shape[1], k.shape[1], mask.causal, q.device)
-        _check_blocks(mask.doc_blocks, q, k)
+        check_blocks(mask.doc_blocks, q, k)
         return mask.doc_blocks
 
     def _forward(self, q, k, v, mask, *, scale, out, lse):
         """``(out, lse)`` of ``q`` against ``k``/``v`` over the blocks; with ``out``/``lse`` given, merges
         the fed rows into them (other rows untouched)."""
         blocks = self._blocks(q, k, mask)
-        b, lq, h, d = q.shape
-        accum = out is not None or lse is not None
-        if accum and (out is None or lse is None):
-            raise ValueError("accumulate mode needs both the running out and lse; pass both or neither.")
-        if not accum:
-            out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-            lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-            lse = torch.full((b, h, lq), -math.inf, dtype=lse_dtype, device=q.device)
+        out, lse, accumulate = running_buffers(q, v, out, lse)
         if blocks.num_blocks == 0:
             return out, lse
-        qg, kg, vg = _gather(q, blocks.q_rows), _gather(k, blocks.k_rows), _gather(v, blocks.k_rows)
+        qg = gather_rows(q, blocks.q_rows)
+        kg, vg = gather_rows(k, blocks.k_rows), gather_rows(v, blocks.k_rows)
         o, op_lse, _, _ = varlen_forward(qg, kg, vg, blocks.cu_q, blocks.cu_k, blocks.max_q, blocks.max_k,
-                                   blocks.causal, scale)
-        rows_lse = _lse_rows(op_lse, blocks)
-        rows = _RowMap(blocks.q_rows, b, lq, q.device)
-        if not accum:
-            rows.put(out, o)
-            rows.put_lse(lse, rows_lse.to(lse.dtype))
-            return out, lse
-        # views of the running buffers are merged in place; gathered rows are merged, then written back
-        run_out, run_lse = rows.take(out).unsqueeze(0), rows.take_lse(lse).unsqueeze(0)
-        merge_into(run_out, run_lse, o.unsqueeze(0), rows_lse.unsqueeze(0))
-        if rows.view is None:
-            rows.put(out, run_out[0])
-            rows.put_lse(lse, run_lse[0])
+                                         blocks.causal, scale)
+        rows = RowMap(blocks.q_rows, q.shape[0], q.shape[1], q.device)
+        merge_rows(rows, out, lse, o, _lse_rows(op_lse, blocks), accumulate)
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
         """float32 ``(dq, dk, dv)`` of this call (added into ``dq``/``dk``/``dv`` when given). ``out`` and
         ``lse`` are the query rows' global results; ``delta`` is not taken (the op recomputes it)."""
-        if out is None:
-            raise ValueError(
-                "backend 'flash_varlen' needs the attention output in backward (not only delta)."
-            )
-        if tuple(dout.shape) != tuple(q.shape) or tuple(out.shape) != tuple(q.shape):
-            raise ValueError(f"dout and out must have q's shape {tuple(q.shape)}; got {tuple(dout.shape)}, "
-                             f"{tuple(out.shape)}.")
+        check_backward_rows(self.name, dout, q, out)
         blocks = self._blocks(q, k, mask)
-        b, lq, h, d = q.shape
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        grads = []
-        for given, like in ((dq, q), (dk, k), (dv, v)):
-            grads.append(torch.zeros(like.shape, dtype=acc, device=q.device) if given is None else given)
+        b, lq = q.shape[:2]
+        grads = gradient_buffers(q, k, v, dq, dk, dv)
         if blocks.num_blocks == 0:
-            return tuple(grads)
-        qg, kg, vg = _gather(q, blocks.q_rows), _gather(k, blocks.k_rows), _gather(v, blocks.k_rows)
-        dog, og = _gather(dout.to(q.dtype), blocks.q_rows), _gather(out.to(q.dtype), blocks.q_rows)
-        rows = _RowMap(blocks.q_rows, b, lq, q.device)
-        rows_lse = _acc(rows.take_lse(lse))
+            return grads
+        qg = gather_rows(q, blocks.q_rows)
+        kg, vg = gather_rows(k, blocks.k_rows), gather_rows(v, blocks.k_rows)
+        dog, og = gather_rows(dout.to(q.dtype), blocks.q_rows), gather_rows(out.to(q.dtype), blocks.q_rows)
+        rows = RowMap(blocks.q_rows, b, lq, q.device)
+        rows_lse = in_accumulate_dtype(rows.take_lse(lse))
         padded, rng, unused = _probe(q.device)
         op_lse = _lse_for_op(rows_lse, blocks, padded)
         gq, gk, gv = varlen_backward(dog, qg, kg, vg, og, op_lse, blocks.cu_q, blocks.cu_k, blocks.max_q,
                                      blocks.max_k, blocks.causal, scale, rng, unused)
         rows.put(grads[0], gq, accumulate=True)  # put adds the op's bf16 into float32 in one pass
-        key_rows = _RowMap(blocks.k_rows, k.shape[0], k.shape[1], q.device)
+        key_rows = RowMap(blocks.k_rows, k.shape[0], k.shape[1], q.device)
         key_rows.put(grads[1], gk, accumulate=True)
         key_rows.put(grads[2], gv, accumulate=True)
-        return tuple(grads)
+        return grads
