@@ -136,6 +136,10 @@ def worker_packed(rank, world):
         from varlen_emulation import distributed_check
 
         failures += distributed_check(rank, world)  # the flash_varlen path (emulated op) in the loops
+    if 2 <= world <= 3:
+        from cudnn_fe_emulation import distributed_check as cudnn_fe_check
+
+        failures += cudnn_fe_check(rank, world)  # the cudnn_fe path (emulated op) in the loops
     if world == 2:
         failures += disagreeing_segments(rank)
         failures += triton_interpreter_packed(rank, world)

@@ -3,7 +3,8 @@
 Each backend runs every mask kind its capabilities declare (and softcap / a value head dim of its own where
 declared) against a dense float64 attention written here: forward out and lse, backward dq/dk/dv, merging
 into a running result and adding into given gradients. Backends whose ops need a GPU run with those ops
-emulated in float64 (torch's SDPA ops below, the varlen ops in ``varlen_emulation``), Triton in its CPU
+emulated in float64 (torch's SDPA ops below, the varlen ops in ``varlen_emulation``, the
+nvidia-cudnn-frontend ops in ``cudnn_fe_emulation``), Triton in its CPU
 interpreter on tiny float32 shapes. What a backend does not declare is refused by name, by the kernel and
 by the selection. A toy backend registered here shows that a new backend is one class plus one table row.
 """
@@ -19,6 +20,7 @@ from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from cudnn_fe_emulation import install as install_cudnn_fe  # noqa: E402
 from doc_reference import random_docs  # noqa: E402
 from varlen_emulation import install as install_varlen  # noqa: E402
 
@@ -40,7 +42,7 @@ from lightseq_hf.kernels.base import attention_delta, make_doc_blocks, merge_int
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range  # noqa: E402
 
 B, N, H, HK, D = 2, 24, 4, 2, 64
-BUILT_IN = ("reference", "triton", "sdpa_cudnn", "sdpa_flash", "flash_varlen")
+BUILT_IN = ("reference", "triton", "sdpa_cudnn", "sdpa_flash", "flash_varlen", "cudnn_fe")
 
 
 # --- emulations of the GPU-only ops -------------------------------------------------------------------
@@ -76,12 +78,13 @@ def _widened(caps: Capabilities) -> Capabilities:
 
 @pytest.fixture(autouse=True)
 def emulated_gpu_ops(monkeypatch):
-    """The SDPA and varlen ops emulated on the CPU; their backends' device and dtype capabilities widened
-    to what the emulations take (float32/float64 on any device)."""
+    """The SDPA, varlen and cuDNN frontend ops emulated on the CPU; their backends' device and dtype
+    capabilities widened to what the emulations take (float32/float64 on any device)."""
     monkeypatch.setattr(sdpa_module, "sdpa_forward", _sdpa_forward)
     monkeypatch.setattr(sdpa_module, "sdpa_backward", _sdpa_backward)
     monkeypatch.setattr(sdpa_module.SdpaKernel, "capabilities", _widened(sdpa_module.SdpaKernel.capabilities))
     install_varlen(setattr_=monkeypatch.setattr)
+    install_cudnn_fe(setattr_=monkeypatch.setattr)
 
 
 # --- the dense float64 reference ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 ``reference`` (PyTorch, any device), ``triton`` (our FlashAttention kernels), ``sdpa_cudnn`` /
 ``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``flash_varlen`` (torch's
-FlashAttention-2 varlen kernels: packed documents as one call per task), ``auto``.
+FlashAttention-2 varlen kernels: packed documents as one call per task), ``cudnn_fe`` (cuDNN's variable-length
+attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task), ``auto``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from .base import (
 from .reference import ReferenceKernel
 
 #: The built-in names ``backend=`` takes (configuration files validate against it).
-BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_varlen")
+BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_varlen", "cudnn_fe")
 
 
 def get_kernel(

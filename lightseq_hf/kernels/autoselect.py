@@ -42,6 +42,7 @@ REGISTRY: dict[str, Callable[[], AttentionKernel]] = {
     "sdpa_cudnn": _loader(".sdpa", "SdpaKernel", "cudnn"),
     "sdpa_flash": _loader(".sdpa", "SdpaKernel", "flash"),
     "flash_varlen": _loader(".flash_varlen", "FlashVarlenKernel"),
+    "cudnn_fe": _loader(".cudnn_fe", "CudnnFeKernel"),
 }
 ALIASES = {"sdpa": "sdpa_cudnn"}
 
@@ -76,6 +77,8 @@ TABLE: list[Row] = [
         "benchmarks/results/kernels-h100-2026-11-22.json: cuDNN 1.2-1.6x our Triton kernels, causal rows"),
     Row("sdpa_cudnn", "cuda", "H200", DENSE, HALF,
         "benchmarks/results/dist-h200-x2-2026-11-22.json: single-GPU rows, cuDNN faster than Triton"),
+    # cudnn_fe (cuDNN's variable-length op) for packed rows goes here, above Triton, once a GPU measurement
+    # (scripts/bench_packed_kernels.py, the 100-step stream included) shows it faster
     Row("triton", "cuda", evidence="packed rows: benchmarks/results/packed-h200-x2-2026-11-22.json (faster "
         "than flash_varlen on H200); float32 and GPUs not measured: our kernels"),
     Row("sdpa_cudnn", "cuda", masks=DENSE, dtypes=HALF, evidence="no Triton for this head dim or build"),

@@ -1,0 +1,228 @@
+"""The ``"cudnn_fe"`` backend: cuDNN's own variable-length attention, through the torch ops of the optional
+``nvidia-cudnn-frontend`` package (``pip install 'lightseq_hf[cudnn]'``), behind the kernel contract.
+
+Each call feeds ``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd`` the task's document blocks (:class:`DocBlocks`,
+as ``flash_varlen``) as packed ``(tokens, heads, dim)`` rows with their own ``cu_seqlens_q`` and
+``cu_seqlens_kv`` (rows of one shard against the keys of another), causal blocks aligned bottom-right
+(``causal_bottom_right``: a task whose rows start inside their documents sees the keys before them), GQA
+native (key/value heads never expanded). The forward returns out and the lse (``(tokens, heads, 1)``
+float32, natural log), merged into the running out/lse; the backward takes the rows' *global* out and lse
+(the lse padded to ``(sequences, heads, max_seqlen)``, the layout the op's packed backward reads), so the
+gradients of all calls add up to the full gradient. Without ``doc_blocks`` every batch row is one block.
+
+What the op is asked for is planned once per layout (:mod:`.cudnn_fe_layout`): rows that see no key are
+not fed; on cuDNN before 9.26 the backward avoids key lengths that are 64 mod 128 (NaN dQ on Hopper); each
+call's graph shape is bucketed so a changing packed stream reuses the op's cached graphs
+(:func:`graph_stats` counts them). cuDNN 9.22-9.26, whose packed backward can return all-zero gradients,
+is refused (:data:`ZERO_GRADIENT_VERSIONS`).
+
+bf16/fp16 CUDA tensors, head dims that are multiples of 8 up to 128; no sliding window (the contract
+carries windows as key ranges; use ``triton``), no soft-cap. The package is imported on first use only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .base import Capabilities, DocBlocks, KernelBase
+from .cudnn_fe_layout import (
+    GraphShape,
+    GraphShapes,
+    backward_calls,
+    fed_blocks,
+    key_length_hazard,
+    padded_cu_seqlens,
+)
+from .packed_rows import (
+    RowMap,
+    check_backward_rows,
+    check_blocks,
+    gather_rows,
+    gradient_buffers,
+    in_accumulate_dtype,
+    merge_rows,
+    running_buffers,
+    whole_rows,
+)
+
+__all__ = ["CudnnFeKernel", "OpSet", "ZERO_GRADIENT_VERSIONS", "graph_stats", "load_ops", "ops",
+           "unavailable_reason"]
+
+#: cuDNN versions ``[first, after)`` whose packed (ragged) backward with head-major statistics can return
+#: all-zero gradients: refused
+ZERO_GRADIENT_VERSIONS = (92200, 92700)
+PACKAGE = "nvidia-cudnn-frontend"
+
+
+@dataclass(frozen=True)
+class OpSet:
+    """The package's two ops, its graph cache (read by :func:`graph_stats`) and the cuDNN it loaded."""
+
+    forward: Callable
+    backward: Callable
+    graphs: dict
+    cudnn_version: int
+
+
+def load_ops() -> OpSet:
+    """Import the package's torch op module (which registers ``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd``).
+    Tests replace this function with a CPU emulation."""
+    import cudnn
+
+    module = importlib.import_module("cudnn.sdpa.fwd.torch_op")
+    return OpSet(torch.ops.cudnn.sdpa_fwd, torch.ops.cudnn.sdpa_bwd, module._graph_cache,
+                 int(cudnn.backend_version()))
+
+
+_loaded: dict[str, OpSet | str] = {}
+_shapes = GraphShapes()
+
+
+def _version_text(version: int, patch: bool = True) -> str:
+    text = f"{version // 10000}.{version // 100 % 100}"
+    return f"{text}.{version % 100}" if patch else text
+
+
+def unavailable_reason() -> str | None:
+    """Why the op cannot serve here (a phrase completing "backend 'cudnn_fe' ..."), or None; loads the
+    package once."""
+    if "ops" not in _loaded:
+        try:
+            _loaded["ops"] = load_ops()
+        except ImportError as err:
+            if (err.name or "").split(".")[0] == "cudnn":
+                _loaded["ops"] = (f"needs the {PACKAGE} package (pip install 'lightseq_hf[cudnn]'), which is "
+                                  "not installed")
+            else:
+                _loaded["ops"] = f"could not import the {PACKAGE} package ({err})"
+        except Exception as err:  # noqa: BLE001 - a package that cannot load is a refusal, said in one line
+            _loaded["ops"] = (f"could not load the {PACKAGE} package ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})")
+    found = _loaded["ops"]
+    if isinstance(found, str):
+        return found
+    first, after = ZERO_GRADIENT_VERSIONS
+    if first <= found.cudnn_version < after:
+        bad = f"{_version_text(first, False)} to {_version_text(after - 100, False)}"
+        return (f"runs on cuDNN {_version_text(found.cudnn_version)}, whose packed backward can return "
+                f"all-zero gradients (cuDNN {bad}); use another cuDNN")
+    return None
+
+
+def ops() -> OpSet:
+    """The loaded ops; ValueError naming the problem when they cannot serve."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ValueError(f"backend 'cudnn_fe' {reason}; use backend='triton' or 'auto'.")
+    return _loaded["ops"]  # type: ignore[return-value]
+
+
+def graph_stats() -> dict[str, int]:
+    """``graphs``: cuDNN graphs the op holds now (every build adds one; it keeps 128); ``shapes``: graph
+    shapes this process has asked for and remembers."""
+    found = _loaded.get("ops")
+    return {"graphs": len(found.graphs) if isinstance(found, OpSet) else 0, "shapes": len(_shapes)}
+
+
+# --- one op call ---------------------------------------------------------------------------------------
+
+def _static(kind: str, call: DocBlocks, q, k, v, scale: float, deterministic: bool = False) -> tuple:
+    """What, besides the :class:`GraphShape`, keys the op's graph of a call."""
+    return (kind, str(q.device), q.dtype, q.shape[2], k.shape[2], q.shape[3], v.shape[3], scale, call.causal,
+            deterministic)
+
+
+def _op_forward(call: DocBlocks, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (total_q, heads, dim), lse (heads, total_q))`` of the call's fed rows."""
+    shape = _shapes.choose(_static("forward", call, q, k, v, scale), GraphShape.bucketed(call, False))
+    cu_q, cu_k = padded_cu_seqlens(call, shape.docs)
+    qg, kg, vg = gather_rows(q, call.q_rows), gather_rows(k, call.k_rows), gather_rows(v, call.k_rows)
+    o, stats = ops().forward(qg, kg, vg, scale, is_causal=call.causal, causal_bottom_right=call.causal,
+                             cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, max_seqlen_q=shape.max_len,
+                             max_seqlen_kv=shape.max_len, return_lse=True)
+    return o[:call.total_q], in_accumulate_dtype(stats[:call.total_q, :, 0]).t()
+
+
+def _padded_lse(rows_lse: torch.Tensor, call: DocBlocks, shape: GraphShape) -> torch.Tensor:
+    """``(heads, total_q)`` global lse -> the op's ``(docs, heads, max_len)``; a row that saw no key
+    (``-inf``) goes in as ``+inf``, so its probabilities are 0, not NaN."""
+    rows_lse = in_accumulate_dtype(rows_lse)
+    rows_lse = torch.where(torch.isneginf(rows_lse), math.inf, rows_lse)
+    block, pos = call.padded_lse_index
+    padded = rows_lse.new_zeros((shape.docs, rows_lse.shape[0], shape.max_len))
+    padded[block, :, pos] = rows_lse.t()
+    return padded
+
+
+def _op_backward(call: DocBlocks, dout, q, k, v, out, lse, scale: float, grads) -> None:
+    """Add the call's gradients into ``grads`` (float32 ``(dq, dk, dv)`` of the whole local call)."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    shape = _shapes.choose(_static("backward", call, q, k, v, scale, deterministic),
+                           GraphShape.bucketed(call, True))
+    cu_q, cu_k = padded_cu_seqlens(call, shape.docs)
+    t = shape.tokens
+    qg, og, dog = (gather_rows(x.to(q.dtype), call.q_rows, t) for x in (q, out, dout))
+    kg, vg = gather_rows(k, call.k_rows, t), gather_rows(v, call.k_rows, t)
+    rows = RowMap(call.q_rows, q.shape[0], q.shape[1], q.device)
+    op_lse = _padded_lse(rows.take_lse(lse), call, shape)
+    gq, gk, gv = ops().backward(dog, qg, kg, vg, og, op_lse, scale, is_causal=call.causal,
+                                causal_bottom_right=call.causal, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+                                max_seqlen_q=shape.max_len, max_seqlen_kv=shape.max_len,
+                                is_deterministic=deterministic)
+    rows.put(grads[0], gq[:call.total_q], accumulate=True)  # adds the op's bf16 into float32 in one pass
+    key_rows = RowMap(call.k_rows, k.shape[0], k.shape[1], q.device)
+    key_rows.put(grads[1], gk[:call.total_k], accumulate=True)
+    key_rows.put(grads[2], gv[:call.total_k], accumulate=True)
+
+
+# --- the kernel ----------------------------------------------------------------------------------------
+
+class CudnnFeKernel(KernelBase):
+    """Local attention through cuDNN's variable-length op (``nvidia-cudnn-frontend``), one forward call per
+    task for all its documents (one or two backward calls)."""
+
+    name = "cudnn_fe"
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        head_dim_multiple=8,
+        max_head_dim=128,
+        supports_doc_blocks=True,
+        needs_out_in_backward=True,
+    )
+
+    def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+        return unavailable_reason()
+
+    def _fed(self, q, k, mask) -> DocBlocks:
+        if mask.doc_blocks is None:
+            return fed_blocks(whole_rows(q.shape[0], q.shape[1], k.shape[1], mask.causal, q.device))
+        check_blocks(mask.doc_blocks, q, k)
+        return fed_blocks(mask.doc_blocks)
+
+    def _forward(self, q, k, v, mask, *, scale, out, lse):
+        """``(out, lse)`` of ``q`` against ``k``/``v`` over the blocks; with ``out``/``lse`` given, merges
+        the fed rows into them (other rows untouched)."""
+        call = self._fed(q, k, mask)
+        out, lse, accumulate = running_buffers(q, v, out, lse)
+        if call.num_blocks:
+            o, rows_lse = _op_forward(call, q, k, v, scale)
+            merge_rows(RowMap(call.q_rows, q.shape[0], q.shape[1], q.device), out, lse, o, rows_lse,
+                       accumulate)
+        return out, lse
+
+    def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
+        """float32 ``(dq, dk, dv)`` of this call (added into ``dq``/``dk``/``dv`` when given). ``out`` and
+        ``lse`` are the query rows' global results; ``delta`` is not taken (the op recomputes it)."""
+        check_backward_rows(self.name, dout, q, out)
+        blocks = self._fed(q, k, mask)
+        grads = gradient_buffers(q, k, v, dq, dk, dv)
+        if blocks.num_blocks:
+            for call in backward_calls(blocks, key_length_hazard(ops().cudnn_version)):
+                _op_backward(call, dout, q, k, v, out, lse, scale, grads)
+        return grads

@@ -1,0 +1,213 @@
+"""How the ``cudnn_fe`` backend lays out a call for cuDNN's variable-length attention op: host-side planning,
+once per layout (a :class:`DocBlocks`), and the graph shapes the op is asked for.
+
+- :func:`fed_blocks`: a causal block with more query rows than keys (bottom-right aligned) has first rows
+  that see no key; they are not fed (they keep out 0 and lse ``-inf``, and get no gradient), so the op
+  never computes a row without a key.
+- :func:`backward_calls`: cuDNN before 9.26 can return NaN in dQ on Hopper when a sequence's key length is
+  64 mod 128 and a row's lse is below -88.7. Where that can happen (:func:`key_length_hazard`, every GPU
+  to be safe), the backward of a block with such a key length runs as parts whose key lengths are not:
+  a causal block ``m x n`` as a square causal part on the last keys, the full prefix before it, and (when
+  ``m`` itself is 0 or 64 mod 128) the first row on its own; a full block with its last key apart. The
+  parts' gradients add up to the block's (the backward takes the rows' global lse), so this is exact; the
+  full parts go in a second call.
+- :class:`GraphShapes`: the op builds one cuDNN graph per (documents, longest sequences, token totals
+  rounded to 64, ...) and keeps 128 of them; a build takes 0.1 s. A changing packed stream would build
+  on every step, so each call asks for a bucketed shape (documents, longest sequence and, in backward,
+  token totals each rounded up to a power of two, query and key sides alike, the documents padded with
+  empty ones) or reuses a larger shape already built when that wastes little.
+
+Pure host code: nothing here reads device memory.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from .base import DocBlocks, Rows
+
+__all__ = ["GraphShape", "GraphShapes", "backward_calls", "bucket", "fed_blocks", "key_length_hazard",
+           "padded_cu_seqlens"]
+
+#: cuDNN versions (``major * 10000 + minor * 100 + patch``) whose backward can return NaN dQ for key lengths
+#: 64 mod 128 (fixed in 9.26)
+NAN_DQ_FIXED = 92600
+#: smallest bucketed longest-sequence and token total (the op's tiles are 128 rows)
+MIN_LENGTH = 128
+#: a built shape serves a smaller call when its grid (documents x longest sequence) is at most this many
+#: times the call's own bucketed grid, and its token total at most this many times the call's bucketed total
+REUSE_GRID = 4
+REUSE_TOKENS = 2
+#: shapes remembered per static key (the op caches 128 graphs in all)
+REMEMBERED = 24
+
+
+def key_length_hazard(cudnn_version: int) -> bool:
+    """Whether backward calls must avoid key lengths that are 64 mod 128 on this cuDNN."""
+    return cudnn_version < NAN_DQ_FIXED
+
+
+def bucket(n: int, floor: int = 1) -> int:
+    """The smallest power of two that is at least ``n`` and ``floor``."""
+    n = max(n, floor, 1)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclass(frozen=True)
+class GraphShape:
+    """The shape of one op graph: ``docs`` sequences (``cu_seqlens`` of ``docs + 1`` entries), ``max_len``
+    the longest query and key sequence it declares, ``tokens`` the rows of the backward's packed tensors
+    (0 in forward, whose graph does not depend on them)."""
+
+    docs: int
+    max_len: int
+    tokens: int = 0
+
+    def covers(self, other: GraphShape) -> bool:
+        return self.docs >= other.docs and self.max_len >= other.max_len and self.tokens >= other.tokens
+
+    @property
+    def grid(self) -> int:
+        return self.docs * self.max_len
+
+    @classmethod
+    def bucketed(cls, blocks: DocBlocks, backward: bool) -> GraphShape:
+        """The bucketed shape of a call over ``blocks``."""
+        tokens = bucket(max(blocks.total_q, blocks.total_k), MIN_LENGTH) if backward else 0
+        return cls(bucket(blocks.num_blocks), bucket(max(blocks.max_q, blocks.max_k), MIN_LENGTH), tokens)
+
+
+class GraphShapes:
+    """The graph shapes this process has asked the op for, per static key (device, dtype, heads, head dims,
+    scale, mask flags, forward or backward); :meth:`choose` picks the shape of a call."""
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple, OrderedDict[GraphShape, None]] = {}
+
+    def choose(self, static: tuple, need: GraphShape) -> GraphShape:
+        """The smallest remembered shape covering ``need`` within the reuse bounds, else ``need`` itself
+        (then remembered; the least recently chosen shape of the key is forgotten past
+        :data:`REMEMBERED`)."""
+        shapes = self._shapes.setdefault(static, OrderedDict())
+        fits = [s for s in shapes if s.covers(need) and s.grid <= REUSE_GRID * need.grid
+                and s.tokens <= REUSE_TOKENS * need.tokens]
+        chosen = min(fits, key=lambda s: (s.grid, s.tokens)) if fits else need
+        shapes[chosen] = None
+        shapes.move_to_end(chosen, last=False)
+        while len(shapes) > REMEMBERED:
+            shapes.popitem()
+        return chosen
+
+    def __len__(self) -> int:
+        return sum(len(s) for s in self._shapes.values())
+
+    def clear(self) -> None:
+        self._shapes.clear()
+
+
+# --- plans of a layout, cached per blocks object -------------------------------------------------------
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_cu: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+Part = tuple[int, int, int, int]  # (first fed row, rows, first fed key, keys), positions in the blocks
+
+
+def _parts(blocks: DocBlocks) -> list[Part]:
+    parts, qa, ka = [], 0, 0
+    for m, n in zip(blocks.q_lens, blocks.k_lens):
+        parts.append((qa, m, ka, n))
+        qa, ka = qa + m, ka + n
+    return parts
+
+
+def fed_blocks(blocks: DocBlocks) -> DocBlocks:
+    """``blocks`` without the rows that see no key (the first ``m - n`` rows of a causal ``m x n`` block);
+    cached."""
+    plans = _plans.setdefault(blocks, {})
+    if "fed" not in plans:
+        if blocks.causal and any(m > n for m, n in zip(blocks.q_lens, blocks.k_lens)):
+            parts = [(qa + max(0, m - n), min(m, n), ka, n) for qa, m, ka, n in _parts(blocks)]
+            plans["fed"] = _sub_blocks(blocks, parts, True)
+        else:
+            plans["fed"] = blocks
+    return plans["fed"]
+
+
+def backward_calls(blocks: DocBlocks, avoid_hazard: bool) -> tuple[DocBlocks, ...]:
+    """The backward calls of ``blocks`` (already :func:`fed_blocks`): the blocks themselves, or, when
+    ``avoid_hazard`` and some key length is 64 mod 128, the parts described in the module docstring (a
+    causal call and a full call); cached."""
+    plans = _plans.setdefault(blocks, {})
+    key = ("backward", avoid_hazard)
+    if key not in plans:
+        hit = avoid_hazard and any(n % 128 == 64 for n in blocks.k_lens)
+        plans[key] = _hazard_free(blocks) if hit else (blocks,)
+    return plans[key]
+
+
+def _hazard_free(blocks: DocBlocks) -> tuple[DocBlocks, ...]:
+    same, full = [], []  # parts keeping the blocks' mask, and full parts
+    for qa, m, ka, n in _parts(blocks):
+        if n % 128 != 64:
+            same.append((qa, m, ka, n))
+        elif not blocks.causal:
+            same += [(qa, m, ka, n - 1), (qa, m, ka + n - 1, 1)]  # its rows fed twice, gradients added
+        else:
+            lone = 1 if m % 128 in (0, 64) else 0  # else the square part would have m = 64 mod 128 keys
+            if lone:
+                same.append((qa, 1, ka, n - m + 1))  # the first row: every key up to its diagonal
+            same.append((qa + lone, m - lone, ka + n - m + lone, m - lone))  # the square causal part
+            if n - m + lone:
+                full.append((qa + lone, m - lone, ka, n - m + lone))  # the keys before it, seen by all
+    calls = [_sub_blocks(blocks, same, blocks.causal)]
+    if full:
+        calls.append(_sub_blocks(blocks, full, False))
+    return tuple(calls)
+
+
+def _positions(spans: list[tuple[int, int]]) -> list[int]:
+    return [p for start, length in spans for p in range(start, start + length)]
+
+
+def _pick(rows: Rows, pos: list[int], device: torch.device) -> Rows:
+    """The fed rows at positions ``pos`` of ``rows`` (a slice or a view when they are one run)."""
+    if not pos:
+        return slice(0, 0)
+    if pos == list(range(pos[0], pos[0] + len(pos))):
+        if isinstance(rows, slice):
+            return slice(rows.start + pos[0], rows.start + pos[0] + len(pos))
+        return rows[pos[0]: pos[0] + len(pos)]
+    idx = torch.tensor(pos, dtype=torch.int64)
+    if isinstance(rows, slice):
+        return (idx + rows.start).to(device)
+    return rows[idx.to(device)]
+
+
+def _sub_blocks(blocks: DocBlocks, parts: list[Part], causal: bool) -> DocBlocks:
+    device = blocks.cu_q.device
+    q_lens = tuple(m for _, m, _, _ in parts)
+    k_lens = tuple(n for _, _, _, n in parts)
+
+    def cumulative(lens: tuple[int, ...]) -> torch.Tensor:
+        return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+
+    q_rows = _pick(blocks.q_rows, _positions([(qa, m) for qa, m, _, _ in parts]), device)
+    k_rows = _pick(blocks.k_rows, _positions([(ka, n) for _, _, ka, n in parts]), device)
+    return DocBlocks(q_lens, k_lens, q_rows, k_rows, cumulative(q_lens), cumulative(k_lens), causal)
+
+
+def padded_cu_seqlens(blocks: DocBlocks, docs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``blocks``' cumulative query and key lengths padded to ``docs`` sequences with empty ones (the last
+    total repeated), int32 on the blocks' device; cached."""
+    per_blocks = _cu.setdefault(blocks, {})
+    if docs not in per_blocks:
+        extra = docs - blocks.num_blocks
+        if extra < 0:
+            raise ValueError(f"a graph of {docs} sequences cannot take {blocks.num_blocks} blocks.")
+        per_blocks[docs] = tuple(torch.cat([cu, cu[-1:].expand(extra)]) for cu in (blocks.cu_q, blocks.cu_k))
+    return per_blocks[docs]
