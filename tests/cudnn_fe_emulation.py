@@ -1,6 +1,6 @@
-"""Test-only CPU emulation of the ``nvidia-cudnn-frontend`` torch ops ``cudnn::sdpa_fwd`` / ``cudnn::sdpa_bwd``
-(their packed ``(tokens, heads, dim)`` path), registered as the ops' CPU kernels under the package's own
-schemas, in float64, and put behind ``lightseq_hf.kernels.cudnn_fe``.
+"""Test-only CPU emulation of the ``nvidia-cudnn-frontend`` torch ops ``cudnn::sdpa_fwd`` /
+``cudnn::sdpa_bwd`` (their packed ``(tokens, heads, dim)`` path), registered as the ops' CPU kernels under the
+package's own schemas, in float64, and put behind ``lightseq_hf.kernels.cudnn_fe``.
 
 It follows the ops' contract and checks the caller keeps it: ``cu_seqlens_q/kv`` int32 on the tensors'
 device, lengths within ``max_seqlen_q/kv``, token totals within the tensors' rows, ``causal_bottom_right``
@@ -254,7 +254,8 @@ def distributed_check(rank: int, world: int) -> list[str]:
         out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, causal=causal, backend="cudnn_fe",
                                                return_lse=True)
         out.backward(dout[:, sl])
-        for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, qs.grad, ks.grad, vs.grad), refs):
+        got = (out, lse, qs.grad, ks.grad, vs.grad)
+        for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
             err = rel_err(x, ref)
             if not err < 1e-10:
                 failures.append(f"cudnn_fe world {world} rank {rank} [{name}]: {label} err {err:.2e}")
