@@ -11,7 +11,8 @@ at most 32K, fixed seed; the last document is cut to fit). Rows, forward+backwar
 - ``packed_ours``: ``dist_flash_attn(segments=...)`` (the segment schedule, one key/value shard per GPU,
   overlapped transfers), once per local kernel of ``--packed-backends`` (each row tagged ``backend``):
   ``flash_varlen`` (torch's FlashAttention-2 varlen op, one call per task for all its documents; when the
-  op runs on the GPU) and ``triton`` (our kernels with per-row key ranges);
+  op runs on the GPU), ``cudnn_fe`` (cuDNN's variable-length op from nvidia-cudnn-frontend, one call per
+  task; when the package is installed) and ``triton`` (our kernels with per-row key ranges);
 - ``packed_compute_only``: the same without transfers (per backend), timed on each rank alone: per-rank busy
   time (``busy_spread`` = slowest / fastest - 1), with the schedule that ran and its modeled
   per-rank cost (``scripts/schedule_table.py --model-check`` compares the two);
@@ -28,7 +29,9 @@ Every row reports ms (slowest rank), ms per real token, and peak memory per rank
 an exactness check on 16K tokens compares ours (every packed backend) on all ranks with a per-document
 float32 reference (SDPA per document) and with the same kernel on one GPU; ``summary.exact`` is true only
 when it passed for every backend. The summary's keys are those of the fastest packed backend per length
-(``packed_backend``), with ``packed_<other>_over_packed`` for the others. Results:
+(``packed_backend``), with ``packed_<other>_over_packed`` for the others, ``ring_speedup_vs_triton`` per
+backend (the Triton ring's time over the backend's) and ``ring_speedup_vs_triton_64k`` (cudnn_fe's at
+64K, else the fastest other backend's). Results:
 ``benchmarks/results/packed-<device>-x<P>-<date>.json``.
 
 ``--device cpu`` runs the same code on gloo with the reference kernel and tiny sizes (a smoke test).
@@ -82,8 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-torch-cp", action="store_true")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--packed-backends", default="auto",
-                   help="local kernels of the packed rows, comma-separated (auto: flash_varlen,triton on a "
-                        "GPU whose torch has the varlen op, else triton; reference on the CPU)")
+                   help="local kernels of the packed rows, comma-separated (auto: on a GPU, flash_varlen "
+                        "where torch has the varlen op, cudnn_fe where its package is installed, and "
+                        "triton; reference on the CPU)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="")
     return p.parse_args(argv)
@@ -162,6 +166,9 @@ def summarize(rows: list[dict], check: dict | None) -> dict:
             for other, other_ms in packed_by.items():
                 if other != fastest:
                     entry[f"packed_{other}_over_packed"] = other_ms / packed
+        if "triton" in packed_by and len(packed_by) > 1:
+            entry["ring_speedup_vs_triton"] = {b: packed_by["triton"] / ms for b, ms in packed_by.items()
+                                               if b != "triton"}
         for r in rows:
             if (r.get("impl") == "packed_compute_only" and r.get("seq") == seq and "per_rank_ms" in r
                     and (fastest is None or r.get("backend") == fastest)):
@@ -181,6 +188,8 @@ def summarize(rows: list[dict], check: dict | None) -> dict:
     unpacked = [e64.get(f"unpacked_ours_{b}_over_packed") for b in ("sdpa_cudnn", "triton", "reference")]
     unpacked = [x for x in unpacked if x]
     summary["packed_vs_unpacked_64k"] = min(unpacked) if unpacked else None  # vs the fastest unpacked
+    vs_triton = e64.get("ring_speedup_vs_triton", {})
+    summary["ring_speedup_vs_triton_64k"] = vs_triton.get("cudnn_fe", max(vs_triton.values(), default=None))
     summary["exact"] = bool(check and check.get("passed"))
     return summary
 
@@ -271,20 +280,24 @@ def bench_torch_cp(args, seq, device, base, reps, record) -> None:
 
 
 def packed_backend_list(spec: str, device: torch.device) -> list[str]:
-    """The packed rows' backends: ``auto`` is flash_varlen (when torch's varlen op runs here) and triton on
-    a GPU, the reference kernel on the CPU."""
+    """The packed rows' backends: ``auto`` is, on a GPU, flash_varlen (when torch's varlen op runs here),
+    cudnn_fe (when nvidia-cudnn-frontend is installed and usable) and triton; the reference kernel on the
+    CPU."""
     if spec != "auto":
         return [b.strip() for b in spec.split(",") if b.strip()]
     if device.type != "cuda":
         return ["reference"]
-    from lightseq_hf.kernels import flash_varlen
+    from lightseq_hf.kernels import cudnn_fe, flash_varlen
 
-    return ["flash_varlen", "triton"] if flash_varlen.usable(device) else ["triton"]
+    found = ["flash_varlen"] if flash_varlen.usable(device) else []
+    if cudnn_fe.unavailable_reason() is None:
+        found.append("cudnn_fe")
+    return [*found, "triton"]
 
 
 def packed_meta(args, device: torch.device, dtype: torch.dtype, packed_backends: list[str]) -> dict:
     h, hk = (int(x) for x in args.heads.split("/"))
-    meta = run_meta(device_name(device), dist.get_world_size())
+    meta = run_meta(device_name(device), dist.get_world_size(), "triton", "cudnn", "nvidia-cudnn-frontend")
     meta.update(dtype=str(dtype), heads=h, kv_heads=hk, head_dim=args.dim, batch=1,
                 packed_backends=packed_backends,
                 length_mix={"median": args.median, "sigma": args.sigma, "max": args.max_doc,

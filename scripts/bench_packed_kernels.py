@@ -1,23 +1,30 @@
 """Packed-row attention kernels on one GPU: forward+backward of one row of log-normal documents.
 
-Backends on the same bf16 tokens: ``cudnn_varlen`` (torch's cuDNN varlen op, one call per row), our
-Triton kernels with key ranges, ``flash_varlen`` (torch's FlashAttention-2 varlen op), FlexAttention with
-a document block mask (compiled), and dense cuDNN causal attention over the whole row (the per-FLOP
-yardstick). Each is timed twice: wall time (CUDA events around the calls, host work included: torch 2.11's
-cuDNN varlen op rebuilds its graph on every call) and GPU time (the kernels' own time, from the profiler).
-Useful FLOPs count the pairs each query row sees: ``4 * heads * dim`` per pair forward, 3.5x that
-forward+backward. It first runs single op calls of short sequences, each in its own process with a time
-limit (one call of one-token sequences did not return).
+Backends on the same bf16 tokens, per row length and key/value head count: our Triton kernels with key
+ranges, ``flash_varlen`` (torch's FlashAttention-2 varlen op), ``cudnn_fe`` (cuDNN's variable-length op from
+nvidia-cudnn-frontend, through our backend: bucketed graph shapes, the backward's key-length parts),
+``cudnn_fe_raw`` (the package's own autograd op on the row's exact lengths: what our layout costs; not a
+candidate for "best"), FlexAttention with a document block mask (compiled), and dense cuDNN causal attention
+over the whole row (the per-FLOP yardstick). Each is timed as wall time (CUDA events, host work included) and
+GPU time (the kernels' own time, from the profiler). Useful FLOPs count the pairs each query row sees:
+``4 * heads * dim`` per pair forward, 3.5x that forward+backward.
 
-Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table; the summary has
-``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K) and
-``packed_speedup_vs_triton`` (Triton packed time over the best packed backend's, 64K).
+``--stream STEPS`` then runs a changing packed stream: every step a new row of log-normal documents (seeds
+20000 + step), forward+backward of every ring task of ``--stream-worlds`` ranks run on this GPU (world 1:
+the whole row), per backend, timed step by step with host work and cuDNN graph builds included (graphs the
+op gained in a step are counted), against dense cuDNN on the same tokens per useful FLOP.
+
+Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table. The summary has
+``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K, first head
+layout), ``cudnn_fe_vs_dense_per_flop`` and ``cudnn_fe_speedup_vs_triton`` (64K, per head layout too), and
+with a stream ``stream_cudnn_fe_vs_dense_per_flop`` and builds per step.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,59 +38,87 @@ from benchlib.results import device_slug, today, version  # noqa: E402
 from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402
 
-from lightseq_hf.kernels import cudnn_ops, cudnn_varlen, flash_varlen  # noqa: E402
+from lightseq_hf.kernels import cudnn_fe, flash_varlen, kernel_named  # noqa: E402
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks  # noqa: E402
 from lightseq_hf.parallel.schedule import SpanTask  # noqa: E402
+from lightseq_hf.parallel.segment_schedule import build_segment_schedule  # noqa: E402
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range  # noqa: E402
 
-PACKED = ("cudnn_varlen", "triton", "flash_varlen", "flex")
+#: measured runners that are not candidates for the best packed backend
+DIAGNOSTIC = ("cudnn_fe_raw",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqs", default="16384,32768,65536,131072", help="tokens per packed row")
-    p.add_argument("--heads", default="32/8", help="query/kv heads")
+    p.add_argument("--seqs", default="65536,16384,32768,131072", help="tokens per packed row")
+    p.add_argument("--heads", default="32/32,32/8", help="query/kv heads, comma-separated layouts")
     p.add_argument("--dims", default="128", help="head dims (comma-separated)")
-    p.add_argument("--extra-dim-seq", default="65536:64", help="SEQ:DIM rows added (empty: none)")
+    p.add_argument("--extra-dim-seq", default="65536:64", help="SEQ:DIM rows added, first head layout")
     p.add_argument("--median", type=int, default=2048, help="median document length")
     p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the document lengths")
     p.add_argument("--max-doc", type=int, default=32768)
     p.add_argument("--flex-seqs", default="16384,65536", help="rows where FlexAttention runs (compiles)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip further rows past this time")
-    p.add_argument("--no-cudnn-varlen", action="store_true", help="leave the cuDNN varlen op out entirely")
+    p.add_argument("--backends", default="triton,flash_varlen,cudnn_fe,cudnn_fe_raw,flex")
+    p.add_argument("--budget-s", type=float, default=330.0, help="skip further table rows past this time")
+    p.add_argument("--stream", type=int, default=0, help="steps of a changing packed stream (0: none)")
+    p.add_argument("--stream-seq", type=int, default=65536)
+    p.add_argument("--stream-heads", default="32/8")
+    p.add_argument("--stream-worlds", default="1,2", help="ring sizes whose tasks the stream replays")
+    p.add_argument("--stream-backends", default="cudnn_fe,triton")
     p.add_argument("--tag", default="", help="suffix of the results file name")
-    p.add_argument("--cudnn-varlen-despite-defects", action="store_true",
-                   help="time cudnn_varlen also where its torch is refused (its backward may be wrong)")
-    p.add_argument("--fact", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (stream only)")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
 
+# ----------------------------------------------------------------------------- the table
+
+
 def packed_runners(seg, q, k, v, dout, scale, seq, args):
-    """name -> (fwd+bwd callable, forward callable returning (out (b, s, h, d), dq))."""
-    n, d = q.shape[1], q.shape[3]
-    dev = q.device
+    """name -> fwd+bwd callable returning (out (b, s, h, d), dq), for the backends that run here."""
+    n, dev = q.shape[1], q.device
+    wanted = [b for b in args.backends.split(",") if b]
     blocks = task_doc_blocks(seg, SpanTask(0, 0, 0, n, 0, True), n, True, dev)
-    rng = local_key_range(*key_ranges(seg, causal=True, device=dev), 0, n)
     runners = {}
 
-    def kernel_pair(kernel, **mask):
+    def kernel_pair(name, **mask):
+        kernel = kernel_named(name)
+
         def run():
             out, lse = kernel.forward(q, k, v, causal=False, scale=scale, **mask)
             return out, kernel.backward(dout, q, k, v, out, lse, causal=False, scale=scale, **mask)[0]
         return run
 
-    cudnn_ok = cudnn_ops.usable(dev) or args.cudnn_varlen_despite_defects
-    if not args.no_cudnn_varlen and cudnn_ok and cudnn_ops.head_dim_ok(d):
-        runners["cudnn_varlen"] = kernel_pair(cudnn_varlen.CudnnVarlenKernel(), doc_blocks=blocks)
-    from lightseq_hf.kernels.triton_attn import TritonKernel
-
-    runners["triton"] = kernel_pair(TritonKernel(), key_range=rng)
-    if flash_varlen.usable(dev):
-        runners["flash_varlen"] = kernel_pair(flash_varlen.FlashVarlenKernel(), doc_blocks=blocks)
-    if seq in args.flex_seqs:
+    if "triton" in wanted:
+        runners["triton"] = kernel_pair("triton", key_range=local_key_range(
+            *key_ranges(seg, causal=True, device=dev), 0, n))
+    if "flash_varlen" in wanted and flash_varlen.usable(dev):
+        runners["flash_varlen"] = kernel_pair("flash_varlen", doc_blocks=blocks)
+    if cudnn_fe.unavailable_reason() is None and q.shape[-1] <= 128:
+        if "cudnn_fe" in wanted:
+            runners["cudnn_fe"] = kernel_pair("cudnn_fe", doc_blocks=blocks)
+        if "cudnn_fe_raw" in wanted:
+            runners["cudnn_fe_raw"] = raw_cudnn_fe_runner(seg, q, k, v, dout, scale)
+    if "flex" in wanted and seq in args.flex_seqs:
         runners["flex"] = flex_runner(seg, q, k, v, dout, scale)
     return runners
+
+
+def raw_cudnn_fe_runner(seg, q, k, v, dout, scale):
+    """The package's own autograd op over the row's documents with their exact lengths (no buckets)."""
+    lens = [b - a for a, b in seg.docs[0]]
+    cu = torch.tensor([0, *lens]).cumsum(0).int().to(q.device)
+    qt, kt, vt = (x[0].detach().requires_grad_() for x in (q, k, v))
+    sdpa_fwd = cudnn_fe.ops().forward
+
+    def run():
+        qt.grad = kt.grad = vt.grad = None
+        out, _ = sdpa_fwd(qt, kt, vt, scale, is_causal=True, causal_bottom_right=True, cu_seqlens_q=cu,
+                          cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens), return_lse=True)
+        out.backward(dout[0])
+        return out.unsqueeze(0), qt.grad.unsqueeze(0)
+
+    return run
 
 
 def flex_runner(seg, q, k, v, dout, scale):
@@ -138,13 +173,18 @@ def dense_runner(q, k, v, dout, scale):
         return make(ke, ve, False), False
 
 
-def bench_row(seq, d, args, h, hk, t0) -> dict:
+def row_tensors(seq, h, hk, d, device, dtype, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, dout = (torch.randn(1, seq, h, d, device=device, generator=g, dtype=dtype) for _ in "qd")
+    k, v = (torch.randn(1, seq, hk, d, device=device, generator=g, dtype=dtype) for _ in "kv")
+    return q, k, v, dout
+
+
+def bench_row(seq, d, h, hk, args, t0) -> dict:
     dev = torch.device("cuda")
     docs = lognormal_docs(seq, median=args.median, sigma=args.sigma, max_len=args.max_doc, seed=1000 + seq)
     seg = Segments(seq, (docs,))
-    g = torch.Generator(device=dev).manual_seed(seq + d)
-    q, dout = (torch.randn(1, seq, h, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in "qd")
-    k, v = (torch.randn(1, seq, hk, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in "kv")
+    q, k, v, dout = row_tensors(seq, h, hk, d, dev, torch.bfloat16, seq + d)
     scale = d ** -0.5
     pairs = sum((b - a) * (b - a + 1) // 2 for a, b in docs)
     flops = pair_flops(h, d, pairs, with_bwd=True)
@@ -163,153 +203,212 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
             row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gpu_ms": gpu_ms}
         except Exception as e:  # a backend may refuse a shape: recorded, the table goes on
             row["fwd_bwd"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-        print(f"  {seq // 1024}K d{d} {name}: {row['fwd_bwd'][name]} [{time.time() - t0:.0f}s]", flush=True)
+        print(f"  {seq // 1024}K {h}/{hk} d{d} {name}: {row['fwd_bwd'][name]} [{time.time() - t0:.0f}s]",
+              flush=True)
         torch.cuda.empty_cache()
     run, gqa = dense_runner(q, k, v, dout, scale)
     ms = adaptive_event_ms(run)
     row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa,
                           "gpu_ms": kernel_ms(run)}
-    print(f"  {seq // 1024}K d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
+    print(f"  {seq // 1024}K {h}/{hk} d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
+    return add_ratios(row, flops, dense_flops)
+
+
+def add_ratios(row: dict, flops: float, dense_flops: float) -> dict:
+    """Per-FLOP ratios against dense cuDNN (the best packed backend's, cudnn_fe's); speedups over Triton."""
     ok = {n: r["ms"] for n, r in row["fwd_bwd"].items() if "ms" in r}
-    if not ok:
-        row["best_packed"], row["packed_vs_dense_per_flop"] = None, None
-        return row
-    best = min(ok, key=ok.get)
-    row["best_packed"] = best
-    row["packed_vs_dense_per_flop"] = (ok[best] / flops) / (ms / dense_flops)
-    if "triton" in ok:
-        row["packed_speedup_vs_triton"] = ok["triton"] / ok[best]
-    gpu = {n: r.get("gpu_ms") for n, r in row["fwd_bwd"].items() if r.get("gpu_ms")}
-    dense_gpu = row["dense_cudnn"]["gpu_ms"]
-    if "cudnn_varlen" in gpu and dense_gpu:  # what the op costs once its graph is not rebuilt every call
-        row["cudnn_varlen_gpu_vs_dense_per_flop"] = (gpu["cudnn_varlen"] / flops) / (dense_gpu / dense_flops)
-        if "triton" in gpu:
-            row["cudnn_varlen_gpu_speedup_vs_triton"] = gpu["triton"] / gpu["cudnn_varlen"]
+    dense_ms = row["dense_cudnn"]["ms"]
+    candidates = {n: ms for n, ms in ok.items() if n not in DIAGNOSTIC}
+    row["best_packed"] = min(candidates, key=candidates.get) if candidates else None
+    row["packed_vs_dense_per_flop"] = (candidates[row["best_packed"]] / flops) / (dense_ms / dense_flops) \
+        if candidates else None
+    for name in ("cudnn_fe", "cudnn_fe_raw"):
+        if name in ok:
+            row[f"{name}_vs_dense_per_flop"] = (ok[name] / flops) / (dense_ms / dense_flops)
+            if "triton" in ok:
+                row[f"{name}_speedup_vs_triton"] = ok["triton"] / ok[name]
+    if "triton" in ok and row["best_packed"]:
+        row["packed_speedup_vs_triton"] = ok["triton"] / candidates[row["best_packed"]]
     return row
 
 
-def probe_record() -> dict:
-    dev = torch.device("cuda")
-    try:
-        tr = cudnn_ops.op_traits(dev)
-    except Exception as e:  # the op cannot run here: recorded as such
-        return {"usable": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-    align = "bottom-right" if tr.bottom_right else "top-left"
-    return {"usable": cudnn_ops.usable(dev), "unusable_reason": cudnn_ops.unusable_reason(dev),
-            "lse_layout": repr(tr.lse), "causal": align,
-            "host_ms_per_repeated_call": tr.call_ms, "rebuilds_graph_every_call": tr.rebuilds_graph}
+# ----------------------------------------------------------------------------- the changing stream
 
 
-FACT_CASES = [("gqa d64, lens (2,3)/(5,3)", (2, 3), (5, 3), 8, 2, 64),
-              ("one-token sequences (1,1,1)/(1,1,1)", (1, 1, 1), (1, 1, 1), 4, 2, 128),
-              ("longest query 1: (1,1)/(5,3)", (1, 1), (5, 3), 4, 2, 128),
-              ("a one-token sequence among longer: (1,4)/(1,4)", (1, 4), (1, 4), 4, 2, 128),
-              ("a one-row sequence among longer: (1,4)/(3,4)", (1, 4), (3, 4), 4, 2, 128),
-              ("16K tokens, 8 sequences, 32/8 heads", (2048,) * 8, (2048,) * 8, 32, 8, 128)]
+def stream_tasks(seg: Segments, world: int) -> list[tuple[SpanTask, int]]:
+    """Every task of every rank of a ``world``-rank ring over ``seg`` (world 1: the whole row), with its
+    chunk length."""
+    if world == 1:
+        return [(SpanTask(0, 0, 0, seg.length, 0, diagonal=True), seg.length)]
+    chunk = seg.length // world
+    sched = build_segment_schedule(world, seg, True)
+    return [(t, chunk) for step in sched.steps for t in step if t is not None]
 
 
-def op_fact(index: int) -> dict:
-    """One case of raw op calls: forward, backward, lse layout, host time of repeated identical calls."""
-    label, ql, kl, h, hk, d = FACT_CASES[index]
-    dev, rec = torch.device("cuda"), {"case": label}
-    q, dout = (torch.randn(sum(ql), h, d, device=dev, dtype=torch.bfloat16) for _ in "qd")
-    k, v = (torch.randn(sum(kl), hk, d, device=dev, dtype=torch.bfloat16) for _ in "kv")
-    cu_q, cu_k = (torch.tensor([0, *lens], device=dev).cumsum(0).int() for lens in (ql, kl))
-    args = (cu_q, cu_k, max(ql), max(kl), True, d ** -0.5)
-    out, lse, seed, off = cudnn_ops.op_forward(q, k, v, *args)
-    torch.cuda.synchronize()
-    rec.update(lse_shape=list(lse.shape), lse_stride=list(lse.stride()), lse_dtype=str(lse.dtype),
-               out_finite=bool(out.isfinite().all()))
-
-    def fwd():
-        return cudnn_ops.op_forward(q, k, v, *args)
-
-    def bwd():
-        return cudnn_ops.op_backward(dout, q, k, v, out, lse, seed, off, *args)
-
-    rec["host_ms_forward"] = [cudnn_ops.host_ms(fwd, dev) for _ in range(3)]
-    rec["grads_finite"] = all(bool(x.isfinite().all()) for x in bwd())
-    rec["host_ms_backward"] = [cudnn_ops.host_ms(bwd, dev) for _ in range(3)]
-    torch.cuda.synchronize()
-    return rec
+def stream_step(kernel, seg, world, tensors, scale) -> None:
+    """Forward and backward of every task of the step (the rows' own out/lse as their global ones)."""
+    q, k, v, dout = tensors
+    blocks = kernel.capabilities.supports_doc_blocks
+    ranges = None if blocks else key_ranges(seg, causal=True, device=q.device)
+    for task, chunk in stream_tasks(seg, world):
+        rows = slice(task.q_owner * chunk + task.row_start, task.q_owner * chunk + task.row_stop)
+        key_a, key_b = task.keys(chunk)
+        keys = slice(task.kv_owner * chunk + key_a, task.kv_owner * chunk + key_b)
+        if ranges is None:
+            mask = {"doc_blocks": task_doc_blocks(seg, task, chunk, True, q.device)}
+        else:
+            lo, hi = ranges
+            mask = {"key_range": local_key_range(lo[:, rows], hi[:, rows], keys.start, key_b - key_a)}
+        qt, kt, vt, dt = q[:, rows], k[:, keys], v[:, keys], dout[:, rows]
+        out, lse = kernel.forward(qt, kt, vt, causal=False, scale=scale, **mask)
+        kernel.backward(dt, qt, kt, vt, out.to(qt.dtype), lse, causal=False, scale=scale, **mask)
 
 
-def op_facts(limit_s: float = 40.0) -> list[dict]:
-    """Every fact case in its own process, all at once, each given ``limit_s`` (a call may not return)."""
-    import subprocess
-
-    procs = [subprocess.Popen([sys.executable, __file__, "--fact", str(i)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for i in range(len(FACT_CASES))]
-    start, facts = time.time(), []
-    for i, proc in enumerate(procs):
-        try:
-            text, _ = proc.communicate(timeout=max(1.0, limit_s - (time.time() - start)))
-            lines = [ln for ln in text.splitlines() if ln.startswith("{")]
-            rec = json.loads(lines[-1]) if lines else {"case": FACT_CASES[i][0], "error": text[-400:]}
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            rec = {"case": FACT_CASES[i][0], "error": f"no result within {limit_s:.0f} s"}
-        print("fact:", rec, flush=True)
-        facts.append(rec)
-    return facts
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def summarize(rows: list[dict]) -> dict:
+def run_stream(args, device: torch.device, dtype: torch.dtype, backends: list[str]) -> list[dict]:
+    """One record per (world, backend): per-step wall ms (builds included), graphs built per step
+    (cudnn_fe), useful FLOPs; steps share one set of random tensors, the documents change."""
+    h, hk = (int(x) for x in args.stream_heads.split("/"))
+    d, seq = int(args.dims.split(",")[0]), args.stream_seq
+    tensors = row_tensors(seq, h, hk, d, device, dtype, 3)
+    layouts = [Segments(seq, (lognormal_docs(seq, median=args.median, sigma=args.sigma, max_len=args.max_doc,
+                                             seed=20000 + step),)) for step in range(args.stream)]
+    records = []
+    for world in (int(x) for x in args.stream_worlds.split(",")):
+        for name in backends:
+            kernel = kernel_named(name)
+            step_ms, builds, flops = [], [], []
+            for seg in layouts:
+                before = set(cudnn_fe.ops().graphs) if name == "cudnn_fe" else set()
+                _sync(device)
+                start = time.perf_counter()
+                stream_step(kernel, seg, world, tensors, d ** -0.5)
+                _sync(device)
+                step_ms.append((time.perf_counter() - start) * 1e3)
+                builds.append(len(set(cudnn_fe.ops().graphs) - before) if name == "cudnn_fe" else 0)
+                pairs = sum((b - a) * (b - a + 1) // 2 for a, b in seg.docs[0])
+                flops.append(pair_flops(h, d, pairs, with_bwd=True))
+            records.append({"world": world, "backend": name, "steps": len(step_ms), "seq": seq, "heads": h,
+                            "kv_heads": hk, "head_dim": d, "step_ms": step_ms, "builds": builds,
+                            "total_ms": sum(step_ms), "median_step_ms": statistics.median(step_ms),
+                            "useful_flops": sum(flops), "graph_stats": cudnn_fe.graph_stats()})
+            print(f"stream world {world} {name}: total {sum(step_ms):.0f} ms over {len(step_ms)} steps, "
+                  f"median {statistics.median(step_ms):.2f} ms, builds {sum(builds)} "
+                  f"(last half {sum(builds[len(builds) // 2:])})", flush=True)
+    return records
+
+
+def stream_dense_ms(args) -> float:
+    h, hk = (int(x) for x in args.stream_heads.split("/"))
+    d = int(args.dims.split(",")[0])
+    q, k, v, dout = row_tensors(args.stream_seq, h, hk, d, torch.device("cuda"), torch.bfloat16, 3)
+    return adaptive_event_ms(dense_runner(q, k, v, dout, d ** -0.5)[0])
+
+
+def stream_summary(records: list[dict], dense_ms: float | None) -> dict:
+    """Per world: cudnn_fe's stream time per useful FLOP over dense cuDNN's (builds included), its speedup
+    over Triton on the same steps, and its graph builds (all, and in the last half of the steps)."""
+    out = {}
+    for world in sorted({r["world"] for r in records}):
+        by = {r["backend"]: r for r in records if r["world"] == world}
+        entry = {}
+        fe = by.get("cudnn_fe")
+        if fe:
+            half = fe["builds"][len(fe["builds"]) // 2:]
+            entry.update(builds=sum(fe["builds"]), builds_per_step_last_half=sum(half) / max(1, len(half)),
+                         median_step_ms=fe["median_step_ms"], mean_step_ms=fe["total_ms"] / fe["steps"])
+            if dense_ms:
+                dense_flops = pair_flops(fe["heads"], fe["head_dim"], fe["seq"] * (fe["seq"] + 1) // 2,
+                                         with_bwd=True)
+                entry["vs_dense_per_flop"] = (fe["total_ms"] / fe["useful_flops"]) / (dense_ms / dense_flops)
+            if "triton" in by:
+                entry["speedup_vs_triton"] = by["triton"]["total_ms"] / fe["total_ms"]
+                late = len(fe["step_ms"]) // 2  # both past their first compiles and graph builds
+                entry["speedup_vs_triton_last_half"] = sum(by["triton"]["step_ms"][late:]) / sum(
+                    fe["step_ms"][late:])
+        out[str(world)] = entry
+    return out
+
+
+# ----------------------------------------------------------------------------- summary and main
+
+
+def summarize(rows: list[dict], stream: dict | None = None) -> dict:
+    s = {"per_row": {f"{r['seq']}/{r['heads']}/{r['kv_heads']}/d{r['head_dim']}": {
+        key: r.get(key) for key in ("best_packed", "packed_vs_dense_per_flop", "packed_speedup_vs_triton",
+                                    "cudnn_fe_vs_dense_per_flop", "cudnn_fe_speedup_vs_triton",
+                                    "cudnn_fe_raw_vs_dense_per_flop")} for r in rows}}
     at64 = [r for r in rows if r["seq"] == 65536 and r["head_dim"] == 128]
-    s = {"per_row": {f"{r['seq']}/d{r['head_dim']}": {
-        "best_packed": r["best_packed"], "packed_vs_dense_per_flop": r["packed_vs_dense_per_flop"],
-        "packed_speedup_vs_triton": r.get("packed_speedup_vs_triton")} for r in rows}}
     if at64:
-        s["packed_vs_dense_per_flop"] = at64[0]["packed_vs_dense_per_flop"]
-        s["packed_speedup_vs_triton"] = at64[0].get("packed_speedup_vs_triton")
-        s["best_packed_64k"] = at64[0]["best_packed"]
-        s["cudnn_varlen_gpu_vs_dense_per_flop"] = at64[0].get("cudnn_varlen_gpu_vs_dense_per_flop")
-        s["cudnn_varlen_gpu_speedup_vs_triton"] = at64[0].get("cudnn_varlen_gpu_speedup_vs_triton")
+        first = at64[0]
+        s["packed_vs_dense_per_flop"] = first["packed_vs_dense_per_flop"]
+        s["packed_speedup_vs_triton"] = first.get("packed_speedup_vs_triton")
+        s["best_packed_64k"] = first["best_packed"]
+        s["cudnn_fe_vs_dense_per_flop"] = first.get("cudnn_fe_vs_dense_per_flop")
+        s["cudnn_fe_speedup_vs_triton"] = first.get("cudnn_fe_speedup_vs_triton")
+        s["cudnn_fe_vs_dense_per_flop_by_heads"] = {f"{r['heads']}/{r['kv_heads']}":
+                                                    r.get("cudnn_fe_vs_dense_per_flop") for r in at64}
+    if stream:
+        s["stream"] = stream
+        ring = stream.get("2") or next(iter(stream.values()), {})
+        s["stream_cudnn_fe_vs_dense_per_flop"] = ring.get("vs_dense_per_flop")
+        s["stream_builds_per_step_last_half"] = ring.get("builds_per_step_last_half")
     return s
+
+
+def table_plan(args) -> list[tuple[int, int, int, int]]:
+    heads = [tuple(int(x) for x in layout.split("/")) for layout in args.heads.split(",") if layout]
+    plan = [(int(s), int(d), h, hk) for h, hk in heads for s in args.seqs.split(",") if s
+            for d in args.dims.split(",")]
+    if args.extra_dim_seq:
+        s, d = args.extra_dim_seq.split(":")
+        plan.append((int(s), int(d), *heads[0]))
+    return sorted(plan, key=lambda p: (p[0] != 65536, p[0]))  # the summary's 64K rows first
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.fact is not None:
-        try:
-            print(json.dumps(op_fact(args.fact)), flush=True)
-        except Exception as e:  # the parent records it
-            error = f"{type(e).__name__}: {str(e)[:300]}"
-            print(json.dumps({"case": FACT_CASES[args.fact][0], "error": error}))
-        return
     args.flex_seqs = {int(x) for x in args.flex_seqs.split(",") if x}
-    h, hk = (int(x) for x in args.heads.split("/"))
-    plan = [(int(s), int(d)) for s in args.seqs.split(",") for d in args.dims.split(",")]
-    if args.extra_dim_seq:
-        s, d = args.extra_dim_seq.split(":")
-        plan.append((int(s), int(d)))
-    name = torch.cuda.get_device_name()
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     res = {"device": name, "date": today(),
            "versions": {package: version(package) for package in ("torch", "triton", "cuda", "cudnn")},
-           "config": {"dtype": "bfloat16", "batch": 1, "heads": h, "kv_heads": hk, "median": args.median,
+           "config": {"dtype": "bfloat16", "batch": 1, "heads": args.heads, "median": args.median,
                       "sigma": args.sigma, "max_doc": args.max_doc, "timing": "CUDA events, median",
                       "flops": "useful pairs x 4*heads*dim, fwd+bwd 3.5x"},
-           "rows": []}
-    if not args.no_cudnn_varlen:
-        res["cudnn_op_facts"], res["cudnn_varlen_probe"] = op_facts(), probe_record()
-    print("probe:", res.get("cudnn_varlen_probe"), flush=True)
+           "cudnn_fe": {"unavailable": cudnn_fe.unavailable_reason()}, "rows": []}
+    res["versions"]["nvidia-cudnn-frontend"] = version("nvidia-cudnn-frontend")
+    if res["cudnn_fe"]["unavailable"] is None:
+        res["versions"]["cudnn_loaded_by_frontend"] = cudnn_fe.ops().cudnn_version
     path = Path(args.out) / f"packed-kernels-{device_slug(name, short=True)}-{res['date']}{args.tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    for seq, d in plan:
+    for seq, d, h, hk in (table_plan(args) if device.type == "cuda" else []):
         if time.time() - t0 > args.budget_s:
-            print(f"budget spent: {seq} d{d} skipped", flush=True)
+            print(f"budget spent: {seq} {h}/{hk} d{d} skipped", flush=True)
             continue
-        res["rows"].append(bench_row(seq, d, args, h, hk, t0))
+        res["rows"].append(bench_row(seq, d, h, hk, args, t0))
         res["summary"] = summarize(res["rows"])
         path.write_text(json.dumps(res, indent=1))
+    stream = None
+    if args.stream:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
+        backends = [b for b in args.stream_backends.split(",") if b]
+        res["stream"] = run_stream(args, device, dtype, backends)
+        stream = stream_summary(res["stream"], stream_dense_ms(args) if device.type == "cuda" else None)
+    res["summary"] = summarize(res["rows"], stream)
+    path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")
     for r in res["rows"]:
         cells = " ".join(f"{n}={v['ms']:.2f}" if "ms" in v else f"{n}=err" for n, v in r["fwd_bwd"].items())
-        print(f"{r['seq'] // 1024:>4}K d{r['head_dim']} docs {r['docs']:>3} | {cells} | "
-              f"dense={r['dense_cudnn']['ms']:.2f} | best {r['best_packed']} per-FLOP vs dense "
-              f"{r['packed_vs_dense_per_flop']:.3f}")
+        per_flop = r["packed_vs_dense_per_flop"]
+        print(f"{r['seq'] // 1024:>4}K {r['heads']}/{r['kv_heads']} d{r['head_dim']} docs {r['docs']:>3} | "
+              f"{cells} | dense={r['dense_cudnn']['ms']:.2f} | best {r['best_packed']} per-FLOP vs dense "
+              f"{per_flop if per_flop is None else round(per_flop, 3)}")
     print("summary:", json.dumps({k: v for k, v in res["summary"].items() if k != "per_row"}))
 
 

@@ -44,8 +44,16 @@ def results_path(out_dir: str | Path, kind: str, name: str, world: int, *suffixe
 
 
 def version(package: str) -> str | int | None:
-    """The version of ``package`` (``torch``, ``transformers``, ``triton``) or of torch's ``cuda``,
-    ``cudnn`` and ``nccl``; None when it is missing."""
+    """The version of ``package`` (``torch``, ``transformers``, ``triton``; a distribution name such as
+    ``nvidia-cudnn-frontend``) or of torch's ``cuda``, ``cudnn`` and ``nccl``; None when it is missing."""
+    if "-" in package:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            return dist_version(package)
+        except PackageNotFoundError:
+            return None
     if package == "cuda":
         return torch.version.cuda
     if package == "cudnn":

@@ -1,0 +1,88 @@
+"""scripts/bench_packed_kernels.py on the CPU: its ratios and summary, the table's plan, and the
+changing-stream mode end to end on the emulated cuDNN frontend ops (graph builds counted from the op's
+cache)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from cudnn_fe_emulation import install
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_packed_kernels",
+                                                  ROOT / "scripts" / "bench_packed_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(seq, hk, ms, dense_ms, d=128):
+    return {"seq": seq, "head_dim": d, "heads": 32, "kv_heads": hk, "dense_cudnn": {"ms": dense_ms},
+            "fwd_bwd": {n: {"ms": t} for n, t in ms.items()}}
+
+
+def test_ratios_and_summary(bench):
+    flops, dense_flops = 1.0, 4.0  # the documents hold a quarter of the causal pairs
+    row = bench.add_ratios(_row(65536, 32, {"triton": 100.0, "cudnn_fe": 64.0, "cudnn_fe_raw": 60.0,
+                                            "flex": 80.0}, 240.0), flops, dense_flops)
+    assert row["best_packed"] == "cudnn_fe"  # the raw op is measured, never "best"
+    assert row["packed_vs_dense_per_flop"] == pytest.approx(64.0 / 60.0)
+    assert row["cudnn_fe_vs_dense_per_flop"] == pytest.approx(64.0 / 60.0)
+    assert row["cudnn_fe_raw_vs_dense_per_flop"] == pytest.approx(1.0)
+    assert row["cudnn_fe_speedup_vs_triton"] == pytest.approx(100 / 64) == row["packed_speedup_vs_triton"]
+    gqa = bench.add_ratios(_row(65536, 8, {"triton": 60.0, "cudnn_fe": 40.0}, 200.0), flops, dense_flops)
+    short = bench.add_ratios(_row(16384, 32, {"triton": 10.0, "cudnn_fe": 6.0}, 14.0), 1.0, 4.0)
+    failed = bench.add_ratios({**_row(65536, 32, {}, 240.0, d=64), "fwd_bwd": {"triton": {"error": "no"}}},
+                              flops, dense_flops)
+    assert failed["best_packed"] is None and failed["packed_vs_dense_per_flop"] is None
+    s = bench.summarize([row, gqa, short, failed])
+    assert s["packed_vs_dense_per_flop"] == row["packed_vs_dense_per_flop"]
+    assert s["best_packed_64k"] == "cudnn_fe"
+    assert s["cudnn_fe_vs_dense_per_flop_by_heads"] == {"32/32": pytest.approx(64 / 60),
+                                                        "32/8": pytest.approx(40 / 50)}
+    assert set(s["per_row"]) == {"65536/32/32/d128", "65536/32/8/d128", "16384/32/32/d128", "65536/32/32/d64"}
+
+
+def test_table_plan_puts_the_summary_rows_first(bench):
+    args = bench.parse_args(["--seqs", "16384,65536,131072", "--heads", "32/32,32/8"])
+    plan = bench.table_plan(args)
+    assert plan[:3] == [(65536, 128, 32, 32), (65536, 128, 32, 8), (65536, 64, 32, 32)]
+    assert len(plan) == 7 and {p[3] for p in plan} == {32, 8}
+
+
+def test_stream_summary(bench):
+    def record(world, backend, step_ms, builds):
+        return {"world": world, "backend": backend, "steps": len(step_ms), "step_ms": step_ms,
+                "builds": builds, "total_ms": sum(step_ms), "useful_flops": 1e12, "seq": 1024, "heads": 2,
+                "head_dim": 8, "median_step_ms": sorted(step_ms)[len(step_ms) // 2]}
+
+    s = bench.stream_summary([record(2, "cudnn_fe", [20.0, 10.0, 10.0, 10.0], [3, 1, 0, 1]),
+                              record(2, "triton", [30.0, 20.0, 20.0, 20.0], [0] * 4)], dense_ms=None)
+    entry = s["2"]
+    assert entry["builds"] == 5 and entry["builds_per_step_last_half"] == 0.5
+    assert entry["speedup_vs_triton"] == pytest.approx(90 / 50)
+    assert entry["speedup_vs_triton_last_half"] == 2.0
+    assert "vs_dense_per_flop" not in entry and entry["mean_step_ms"] == 12.5
+
+
+def test_stream_mode_runs_on_the_cpu_with_the_emulated_op(bench, monkeypatch, tmp_path):
+    emu = install(monkeypatch.setattr)
+    bench.main(["--device", "cpu", "--stream", "4", "--stream-seq", "512", "--stream-heads", "4/2",
+                "--dims", "16", "--median", "48", "--max-doc", "256", "--stream-backends",
+                "cudnn_fe,reference", "--out", str(tmp_path), "--tag=-smoke"])
+    (path,) = tmp_path.glob("packed-kernels-cpu-*-smoke.json")
+    result = json.loads(path.read_text())
+    records = {(r["world"], r["backend"]): r for r in result["stream"]}
+    assert set(records) == {(1, "cudnn_fe"), (1, "reference"), (2, "cudnn_fe"), (2, "reference")}
+    fe = records[(2, "cudnn_fe")]
+    assert fe["steps"] == 4 and len(fe["step_ms"]) == 4 and fe["builds"][0] > 0
+    assert sum(r["builds"][0] for r in result["stream"]) <= emu.builds  # counted from the op's cache
+    assert result["summary"]["stream"]["2"]["builds"] == sum(fe["builds"])
+    assert result["rows"] == [] and result["summary"]["stream_builds_per_step_last_half"] is not None
