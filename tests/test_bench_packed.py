@@ -60,6 +60,12 @@ def test_summary():
     entry = s["per_seq"]["65536"]
     assert entry["packed_backend"] == "flash_varlen" and entry["packed_triton_over_packed"] == 1.5
     assert abs(s["busy_spread_max"] - 0.05) < 1e-9 and s["packed_vs_unpacked_64k"] == 3.0
+    assert entry["ring_speedup_vs_triton"] == {"flash_varlen": 1.5}
+    assert s["ring_speedup_vs_triton_64k"] == 1.5  # no cudnn_fe ring: the fastest other backend's
+    with_fe = tagged + [{"seq": 65536, "impl": "packed_ours", "backend": "cudnn_fe", "ms": 9.6}]
+    s = bench.summarize(with_fe, {"passed": True})
+    assert s["ring_speedup_vs_triton_64k"] == 1.25  # cudnn_fe's, though flash_varlen was fastest
+    assert bench.summarize(rows, {"passed": True})["ring_speedup_vs_triton_64k"] is None  # one backend
 
 
 def worker_smoke(rank, world, out_dir):
