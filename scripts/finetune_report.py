@@ -5,7 +5,9 @@
 
 Per run: the median of the steps after the first (warm-up) for step time, tokens/s and MFU, every
 rank's peak memory, the losses. The summary holds ``tokens_per_s`` per run and ``vs_bench_train``:
-the run's tokens/s over ``bench_train.py``'s for the same shape, length and checkpointing.
+the run's tokens/s over ``bench_train.py``'s for the same shape, length and checkpointing; ``--speedup RUN
+BASE`` adds ``speedup_vs_<BASE>``: RUN's tokens/s over BASE's (the same job with another
+``training.backend``, say ``--speedup cudnn_fe triton``).
 """
 
 from __future__ import annotations
@@ -51,25 +53,37 @@ def bench_tokens_per_s(path: Path, seq: int, variant: str) -> float:
     raise SystemExit(f"{path}: no {variant} row at {seq} tokens")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--run", nargs=3, action="append", default=[], metavar=("NAME", "DIR", "COMMAND"))
     p.add_argument("--bench", nargs=4, action="append", default=[],
                    metavar=("NAME", "JSON", "SEQ", "VARIANT"))
+    p.add_argument("--speedup", nargs=2, action="append", default=[], metavar=("RUN", "BASE"))
     p.add_argument("--note", default="")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = [run_row(name, Path(d), cmd) for name, d, cmd in args.run]
-    summary = {"tokens_per_s": {r["name"]: r["tokens_per_s"] for r in rows}, "vs_bench_train": {}}
-    for name, path, seq, variant in args.bench:
-        bench = bench_tokens_per_s(Path(path), int(seq), variant)
+    result = report(rows, [(name, Path(path), int(seq), variant) for name, path, seq, variant in args.bench],
+                    args.speedup, args.note)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["summary"], indent=1))
+
+
+def report(rows: list[dict], benches: list[tuple[str, Path, int, str]], speedups: list[tuple[str, str]],
+           note: str = "") -> dict:
+    """The results file: the runs' rows and the summary (tokens/s, ``vs_bench_train``, ``speedup_vs_*``)."""
+    summary: dict = {"tokens_per_s": {r["name"]: r["tokens_per_s"] for r in rows}, "vs_bench_train": {}}
+    for name, path, seq, variant in benches:
+        bench = bench_tokens_per_s(path, seq, variant)
         row = next(r for r in rows if r["name"] == name)
         row["bench_train_tokens_per_s"] = bench
         summary["vs_bench_train"][name] = row["tokens_per_s"] / bench
-    result = {"device": rows[0]["device"] if rows else None, "note": args.note, "rows": rows,
-              "summary": summary}
-    Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps(summary, indent=1))
+    for name, base in speedups:
+        tokens = summary["tokens_per_s"]
+        if name not in tokens or base not in tokens:
+            raise SystemExit(f"--speedup {name} {base}: runs are {', '.join(tokens)}")
+        summary[f"speedup_vs_{base}"] = tokens[name] / tokens[base]
+    return {"device": rows[0]["device"] if rows else None, "note": note, "rows": rows, "summary": summary}
 
 
 if __name__ == "__main__":
