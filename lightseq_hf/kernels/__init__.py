@@ -2,8 +2,9 @@
 
 ``reference`` (PyTorch, any device), ``triton`` (our FlashAttention kernels), ``sdpa_cudnn`` /
 ``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``flash_varlen`` (torch's
-FlashAttention-2 varlen kernels: packed documents as one call per task), ``cudnn_fe`` (cuDNN's variable-length
-attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task), ``auto``.
+FlashAttention-2 varlen kernels: packed documents as one call per task), ``cudnn_fe`` (cuDNN's
+variable-length attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task),
+``auto``.
 """
 
 from __future__ import annotations

@@ -190,7 +190,8 @@ def dist_flash_attn(
     process group, or with a group of one, it is plain attention on the local tensors. Gradients flow to
     q, k and v (and through the lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
     ``backend`` is ``"auto"`` (the measured-fastest backend that takes the call, see
-    ``kernels.autoselect``), ``"reference"``, ``"triton"``, ``"sdpa"`` or ``"flash_varlen"``; a backend
+    ``kernels.autoselect``), ``"reference"``, ``"triton"``, ``"sdpa"``, ``"flash_varlen"`` or ``"cudnn_fe"``
+    (packed documents through cuDNN's variable-length op, from the optional nvidia-cudnn-frontend); a backend
     that cannot take the call is refused, naming what it lacks. ``check_shapes=False`` skips the
     all-gather that checks every rank's call agrees (shapes, dtype, causal, scale, schedule, backend,
     masks, which inputs need gradients), for callers that guarantee it, such as the model patch.
