@@ -294,8 +294,9 @@ def run_stream(args, device: torch.device, dtype: torch.dtype, backends: list[st
                 flops.append(pair_flops(h, d, pairs, with_bwd=True))
             records.append({"world": world, "backend": name, "steps": len(step_ms), "seq": seq, "heads": h,
                             "kv_heads": hk, "head_dim": d, "step_ms": step_ms, "builds": builds,
-                            "total_ms": sum(step_ms), "median_step_ms": statistics.median(step_ms),
-                            "useful_flops": sum(flops), "graph_stats": cudnn_fe.graph_stats()})
+                            "step_flops": flops, "total_ms": sum(step_ms),
+                            "median_step_ms": statistics.median(step_ms), "useful_flops": sum(flops),
+                            "graph_stats": cudnn_fe.graph_stats()})
             print(f"stream world {world} {name}: total {sum(step_ms):.0f} ms over {len(step_ms)} steps, "
                   f"median {statistics.median(step_ms):.2f} ms, builds {sum(builds)} "
                   f"(last half {sum(builds[len(builds) // 2:])})", flush=True)
@@ -310,8 +311,10 @@ def stream_dense_ms(args) -> float:
 
 
 def stream_summary(records: list[dict], dense_ms: float | None) -> dict:
-    """Per world: cudnn_fe's stream time per useful FLOP over dense cuDNN's (builds included), its speedup
-    over Triton on the same steps, and its graph builds (all, and in the last half of the steps)."""
+    """Per world: cudnn_fe's stream time per useful FLOP over dense cuDNN's (builds included, and over the
+    steps that built no graph: what a step costs once its layouts' graphs exist, as in a model whose layers
+    share them), its speedup over Triton on the same steps, and its graph builds (all, and in the last half
+    of the steps)."""
     out = {}
     for world in sorted({r["world"] for r in records}):
         by = {r["backend"]: r for r in records if r["world"] == world}
@@ -322,9 +325,13 @@ def stream_summary(records: list[dict], dense_ms: float | None) -> dict:
             entry.update(builds=sum(fe["builds"]), builds_per_step_last_half=sum(half) / max(1, len(half)),
                          median_step_ms=fe["median_step_ms"], mean_step_ms=fe["total_ms"] / fe["steps"])
             if dense_ms:
-                dense_flops = pair_flops(fe["heads"], fe["head_dim"], fe["seq"] * (fe["seq"] + 1) // 2,
-                                         with_bwd=True)
-                entry["vs_dense_per_flop"] = (fe["total_ms"] / fe["useful_flops"]) / (dense_ms / dense_flops)
+                dense = dense_ms / pair_flops(fe["heads"], fe["head_dim"], fe["seq"] * (fe["seq"] + 1) // 2,
+                                              with_bwd=True)
+                entry["vs_dense_per_flop"] = fe["total_ms"] / fe["useful_flops"] / dense
+                steady = [(ms, f) for ms, f, b in zip(fe["step_ms"], fe["step_flops"], fe["builds"]) if not b]
+                if steady:
+                    entry["vs_dense_per_flop_steps_without_builds"] = (
+                        sum(ms for ms, _ in steady) / sum(f for _, f in steady) / dense)
             if "triton" in by:
                 entry["speedup_vs_triton"] = by["triton"]["total_ms"] / fe["total_ms"]
                 late = len(fe["step_ms"]) // 2  # both past their first compiles and graph builds

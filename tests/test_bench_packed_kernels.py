@@ -60,16 +60,21 @@ def test_table_plan_puts_the_summary_rows_first(bench):
 def test_stream_summary(bench):
     def record(world, backend, step_ms, builds):
         return {"world": world, "backend": backend, "steps": len(step_ms), "step_ms": step_ms,
-                "builds": builds, "total_ms": sum(step_ms), "useful_flops": 1e12, "seq": 1024, "heads": 2,
-                "head_dim": 8, "median_step_ms": sorted(step_ms)[len(step_ms) // 2]}
+                "builds": builds, "total_ms": sum(step_ms), "useful_flops": 4e12, "seq": 1024, "heads": 2,
+                "head_dim": 8, "median_step_ms": sorted(step_ms)[len(step_ms) // 2], "step_flops": [1e12] * 4}
 
-    s = bench.stream_summary([record(2, "cudnn_fe", [20.0, 10.0, 10.0, 10.0], [3, 1, 0, 1]),
-                              record(2, "triton", [30.0, 20.0, 20.0, 20.0], [0] * 4)], dense_ms=None)
+    records = [record(2, "cudnn_fe", [20.0, 10.0, 8.0, 10.0], [3, 1, 0, 1]),
+               record(2, "triton", [30.0, 20.0, 16.0, 20.0], [0] * 4)]
+    s = bench.stream_summary(records, dense_ms=None)
     entry = s["2"]
     assert entry["builds"] == 5 and entry["builds_per_step_last_half"] == 0.5
-    assert entry["speedup_vs_triton"] == pytest.approx(90 / 50)
+    assert entry["speedup_vs_triton"] == pytest.approx(86 / 48)
     assert entry["speedup_vs_triton_last_half"] == 2.0
-    assert "vs_dense_per_flop" not in entry and entry["mean_step_ms"] == 12.5
+    assert "vs_dense_per_flop" not in entry and entry["mean_step_ms"] == 12.0
+    dense_flops = bench.pair_flops(2, 8, 1024 * 1025 // 2, with_bwd=True)
+    entry = bench.stream_summary(records, dense_ms=dense_flops / 1e12)["2"]  # dense: 1 ms per 1e12 FLOPs
+    assert entry["vs_dense_per_flop"] == pytest.approx(12.0)
+    assert entry["vs_dense_per_flop_steps_without_builds"] == pytest.approx(8.0)  # the one step with none
 
 
 def test_stream_mode_runs_on_the_cpu_with_the_emulated_op(bench, monkeypatch, tmp_path):

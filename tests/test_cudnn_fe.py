@@ -30,7 +30,7 @@ from lightseq_hf.kernels.base import make_doc_blocks
 from lightseq_hf.kernels.cudnn_fe_layout import (
     GraphShape,
     GraphShapes,
-    backward_calls,
+    backward_plan,
     bucket,
     fed_blocks,
     key_length_hazard,
@@ -77,7 +77,9 @@ def test_rows_that_see_no_key_are_not_fed():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_backward_parts_avoid_key_lengths_64_mod_128_and_cover_each_pair_once(causal):
+def test_backward_plan_avoids_key_lengths_64_mod_128_and_covers_each_pair_once(causal):
+    """Blocks with such key lengths go to the op without their first key (one call, as many blocks as the
+    forward's); the first key's pairs with every row of the block come back to be computed directly."""
     sizes = [(64, 64), (1, 64), (63, 64), (128, 192), (64, 192), (65, 192), (130, 320), (3, 5), (200, 200),
              (192, 192), (256, 320)]
     if not causal:
@@ -87,14 +89,17 @@ def test_backward_parts_avoid_key_lengths_64_mod_128_and_cover_each_pair_once(ca
     gen = torch.Generator().manual_seed(1)
     q_rows = torch.randperm(tq + 5, generator=gen)[:tq].tolist()  # gathered rows, out of order
     blocks = make_doc_blocks(q_lens, k_lens, q_rows, slice(2, 2 + tk), causal, "cpu")
-    assert backward_calls(blocks, avoid_hazard=False) == (blocks,)
-    calls = backward_calls(blocks, avoid_hazard=True)
-    assert 1 <= len(calls) <= 2 and calls[0].causal == causal and all(not c.causal for c in calls[1:])
-    assert causal == (len(calls) == 2)  # causal blocks need a full part; full blocks split their keys
-    assert not any(n % 128 == 64 for c in calls for n in c.k_lens)
-    assert torch.equal(pair_counts(calls, 1, tq + 5, tk + 2), pair_counts([blocks], 1, tq + 5, tk + 2))
+    assert backward_plan(blocks, avoid_hazard=False) == (blocks, None)
+    call, pairs = backward_plan(blocks, avoid_hazard=True)
+    assert call.causal == causal and call.num_blocks == blocks.num_blocks
+    assert not any(n % 128 == 64 for n in call.k_lens)
+    counts = pair_counts([call], 1, tq + 5, tk + 2)
+    counts.index_put_((pairs.q_rows, pairs.k_rows), torch.ones_like(pairs.q_rows), accumulate=True)
+    assert torch.equal(counts, pair_counts([blocks], 1, tq + 5, tk + 2))
+    assert pairs.q_rows.numel() == sum(m for m, n in sizes if n % 128 == 64)
+    assert backward_plan(blocks, avoid_hazard=True)[0] is call  # planned once per layout
     clean = make_doc_blocks((3, 200), (5, 200), slice(0, 203), slice(0, 205), causal, "cpu")
-    assert backward_calls(clean, avoid_hazard=True) == (clean,)
+    assert backward_plan(clean, avoid_hazard=True) == (clean, None)
     assert key_length_hazard(91900) and key_length_hazard(92500) and not key_length_hazard(92600)
 
 
@@ -140,7 +145,7 @@ def test_graph_shapes_stay_few_on_a_changing_packed_stream():
                 if task is None:
                     continue
                 fed = fed_blocks(task_doc_blocks(seg, task, seq // world, True, "cpu"))
-                for kind, call in [("f", fed)] + [("b", c) for c in backward_calls(fed, True)]:
+                for kind, call in (("f", fed), ("b", backward_plan(fed, True)[0])):
                     before = len(shapes[rank])
                     shapes[rank].choose((kind, call.causal), GraphShape.bucketed(call, kind == "b"))
                     key = (kind, call.causal, call.num_blocks, call.max_q, call.max_k, call.total_q,

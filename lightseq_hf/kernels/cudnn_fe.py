@@ -11,7 +11,8 @@ float32, natural log), merged into the running out/lse; the backward takes the r
 gradients of all calls add up to the full gradient. Without ``doc_blocks`` every batch row is one block.
 
 What the op is asked for is planned once per layout (:mod:`.cudnn_fe_layout`): rows that see no key are
-not fed; on cuDNN before 9.26 the backward avoids key lengths that are 64 mod 128 (NaN dQ on Hopper); each
+not fed; on cuDNN before 9.26 the backward asks for no key length that is 64 mod 128 (NaN dQ on Hopper:
+such a block's first key is computed here, :func:`_key_pairs_backward`); each
 call's graph shape is bucketed so a changing packed stream reuses the op's cached graphs
 (:func:`graph_stats` counts them). cuDNN 9.22-9.26, whose packed backward can return all-zero gradients,
 is refused (:data:`ZERO_GRADIENT_VERSIONS`).
@@ -33,13 +34,15 @@ from .base import Capabilities, DocBlocks, KernelBase
 from .cudnn_fe_layout import (
     GraphShape,
     GraphShapes,
-    backward_calls,
+    KeyPairs,
+    backward_plan,
     fed_blocks,
     key_length_hazard,
     padded_cu_seqlens,
 )
 from .packed_rows import (
     RowMap,
+    accumulate_dtype,
     check_backward_rows,
     check_blocks,
     gather_rows,
@@ -180,11 +183,29 @@ def _op_backward(call: DocBlocks, dout, q, k, v, out, lse, scale: float, grads) 
     key_rows.put(grads[2], gv[:call.total_k], accumulate=True)
 
 
+def _key_pairs_backward(pairs: KeyPairs, dout, q, k, v, out, lse, scale: float, grads) -> None:
+    """Add the gradients of single (row, key) pairs into ``grads``, computed from the rows' global lse and
+    out (float32; ``delta`` from the output in the input dtype, as the op computes it)."""
+    b, lq, h, d = q.shape
+    hk, group = k.shape[2], h // k.shape[2]
+    rows = RowMap(pairs.q_rows, b, lq, q.device)
+    keys = RowMap(pairs.k_rows, k.shape[0], k.shape[1], q.device)
+    acc = accumulate_dtype(q.dtype)
+    qr, dr, outr = (rows.take(x.to(q.dtype)).to(acc) for x in (q, dout, out))  # (pairs, heads, dim)
+    kr, vr = (keys.take(x).to(acc).repeat_interleave(group, 1) for x in (k, v))
+    row_lse = in_accumulate_dtype(rows.take_lse(lse)).t()
+    p = torch.exp((qr * kr).sum(-1) * scale - torch.where(torch.isneginf(row_lse), math.inf, row_lse))
+    ds = p * ((dr * vr).sum(-1) - (dr * outr).sum(-1))  # (pairs, heads)
+    rows.put(grads[0], ds[..., None] * kr * scale, accumulate=True)
+    keys.put(grads[1], (ds[..., None] * qr * scale).view(-1, hk, group, d).sum(2), accumulate=True)
+    keys.put(grads[2], (p[..., None] * dr).view(-1, hk, group, dr.shape[-1]).sum(2), accumulate=True)
+
+
 # --- the kernel ----------------------------------------------------------------------------------------
 
 class CudnnFeKernel(KernelBase):
-    """Local attention through cuDNN's variable-length op (``nvidia-cudnn-frontend``), one forward call per
-    task for all its documents (one or two backward calls)."""
+    """Local attention through cuDNN's variable-length op (``nvidia-cudnn-frontend``), one forward and one
+    backward call per task for all its documents."""
 
     name = "cudnn_fe"
     capabilities = Capabilities(
@@ -223,6 +244,8 @@ class CudnnFeKernel(KernelBase):
         blocks = self._fed(q, k, mask)
         grads = gradient_buffers(q, k, v, dq, dk, dv)
         if blocks.num_blocks:
-            for call in backward_calls(blocks, key_length_hazard(ops().cudnn_version)):
-                _op_backward(call, dout, q, k, v, out, lse, scale, grads)
+            call, pairs = backward_plan(blocks, key_length_hazard(ops().cudnn_version))
+            _op_backward(call, dout, q, k, v, out, lse, scale, grads)
+            if pairs is not None:
+                _key_pairs_backward(pairs, dout, q, k, v, out, lse, scale, grads)
         return grads

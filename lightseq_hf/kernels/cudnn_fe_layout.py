@@ -4,13 +4,13 @@ once per layout (a :class:`DocBlocks`), and the graph shapes the op is asked for
 - :func:`fed_blocks`: a causal block with more query rows than keys (bottom-right aligned) has first rows
   that see no key; they are not fed (they keep out 0 and lse ``-inf``, and get no gradient), so the op
   never computes a row without a key.
-- :func:`backward_calls`: cuDNN before 9.26 can return NaN in dQ on Hopper when a sequence's key length is
+- :func:`backward_plan`: cuDNN before 9.26 can return NaN in dQ on Hopper when a sequence's key length is
   64 mod 128 and a row's lse is below -88.7. Where that can happen (:func:`key_length_hazard`, every GPU
-  to be safe), the backward of a block with such a key length runs as parts whose key lengths are not:
-  a causal block ``m x n`` as a square causal part on the last keys, the full prefix before it, and (when
-  ``m`` itself is 0 or 64 mod 128) the first row on its own; a full block with its last key apart. The
-  parts' gradients add up to the block's (the backward takes the rows' global lse), so this is exact; the
-  full parts go in a second call.
+  to be safe), a block with such a key length ``n`` goes to the op without its first key (``n - 1`` keys;
+  a causal block keeps its bottom-right mask and drops a row that saw only that key), and the pairs of its
+  rows with that first key, which every row sees, are returned as :class:`KeyPairs` for the caller to
+  compute directly. Both use the rows' global lse, so the two add up to the block's gradients exactly, in
+  one op call of the same shape as the forward's.
 - :class:`GraphShapes`: the op builds one cuDNN graph per (documents, longest sequences, token totals
   rounded to 64, ...) and keeps 128 of them; a build takes 0.1 s. A changing packed stream would build
   on every step, so each call asks for a bucketed shape (documents, longest sequence and, in backward,
@@ -30,8 +30,8 @@ import torch
 
 from .base import DocBlocks, Rows
 
-__all__ = ["GraphShape", "GraphShapes", "backward_calls", "bucket", "fed_blocks", "key_length_hazard",
-           "padded_cu_seqlens"]
+__all__ = ["GraphShape", "GraphShapes", "KeyPairs", "backward_plan", "bucket", "fed_blocks",
+           "key_length_hazard", "padded_cu_seqlens"]
 
 #: cuDNN versions (``major * 10000 + minor * 100 + patch``) whose backward can return NaN dQ for key lengths
 #: 64 mod 128 (fixed in 9.26)
@@ -138,36 +138,50 @@ def fed_blocks(blocks: DocBlocks) -> DocBlocks:
     return plans["fed"]
 
 
-def backward_calls(blocks: DocBlocks, avoid_hazard: bool) -> tuple[DocBlocks, ...]:
-    """The backward calls of ``blocks`` (already :func:`fed_blocks`): the blocks themselves, or, when
-    ``avoid_hazard`` and some key length is 64 mod 128, the parts described in the module docstring (a
-    causal call and a full call); cached."""
+@dataclass(frozen=True, eq=False)
+class KeyPairs:
+    """Query rows each paired with one key, as flat indices into the call's ``(batch * q_len)`` rows and
+    ``(batch * kv_len)`` keys (int64, on the blocks' device)."""
+
+    q_rows: torch.Tensor
+    k_rows: torch.Tensor
+
+
+def backward_plan(blocks: DocBlocks, avoid_hazard: bool) -> tuple[DocBlocks, KeyPairs | None]:
+    """The blocks of the backward op call over ``blocks`` (already :func:`fed_blocks`) and the pairs the
+    caller computes itself: ``(blocks, None)``, or, when ``avoid_hazard`` and some key length is 64 mod 128,
+    the split of the module docstring; cached."""
     plans = _plans.setdefault(blocks, {})
     key = ("backward", avoid_hazard)
     if key not in plans:
         hit = avoid_hazard and any(n % 128 == 64 for n in blocks.k_lens)
-        plans[key] = _hazard_free(blocks) if hit else (blocks,)
+        plans[key] = _without_first_keys(blocks) if hit else (blocks, None)
     return plans[key]
 
 
-def _hazard_free(blocks: DocBlocks) -> tuple[DocBlocks, ...]:
-    same, full = [], []  # parts keeping the blocks' mask, and full parts
+def _without_first_keys(blocks: DocBlocks) -> tuple[DocBlocks, KeyPairs]:
+    parts, pair_rows, pair_keys = [], [], []
     for qa, m, ka, n in _parts(blocks):
         if n % 128 != 64:
-            same.append((qa, m, ka, n))
-        elif not blocks.causal:
-            same += [(qa, m, ka, n - 1), (qa, m, ka + n - 1, 1)]  # its rows fed twice, gradients added
-        else:
-            lone = 1 if m % 128 in (0, 64) else 0  # else the square part would have m = 64 mod 128 keys
-            if lone:
-                same.append((qa, 1, ka, n - m + 1))  # the first row: every key up to its diagonal
-            same.append((qa + lone, m - lone, ka + n - m + lone, m - lone))  # the square causal part
-            if n - m + lone:
-                full.append((qa + lone, m - lone, ka, n - m + lone))  # the keys before it, seen by all
-    calls = [_sub_blocks(blocks, same, blocks.causal)]
-    if full:
-        calls.append(_sub_blocks(blocks, full, False))
-    return tuple(calls)
+            parts.append((qa, m, ka, n))
+            continue
+        # rows before the last m - (n - 1) of a causal block see only the first key: not fed
+        fed = min(m, n - 1) if blocks.causal else m
+        parts.append((qa + m - fed, fed, ka + 1, n - 1))
+        pair_rows.append((qa, m))
+        pair_keys += [ka] * m
+    device = blocks.cu_q.device
+    pairs = KeyPairs(_flat(blocks.q_rows, _positions(pair_rows), device),
+                     _flat(blocks.k_rows, pair_keys, device))
+    return _sub_blocks(blocks, parts, blocks.causal), pairs
+
+
+def _flat(rows: Rows, pos: list[int], device: torch.device) -> torch.Tensor:
+    """The fed rows at positions ``pos`` of ``rows`` as an int64 index tensor on ``device``."""
+    picked = _pick(rows, pos, device)
+    if isinstance(picked, slice):
+        return torch.arange(picked.start, picked.stop, device=device)
+    return picked.to(device)
 
 
 def _positions(spans: list[tuple[int, int]]) -> list[int]:
