@@ -191,7 +191,7 @@ def _key_pairs_backward(pairs: KeyPairs, dout, q, k, v, out, lse, scale: float, 
     rows = RowMap(pairs.q_rows, b, lq, q.device)
     keys = RowMap(pairs.k_rows, k.shape[0], k.shape[1], q.device)
     acc = accumulate_dtype(q.dtype)
-    qr, dr, outr = (rows.take(x.to(q.dtype)).to(acc) for x in (q, dout, out))  # (pairs, heads, dim)
+    qr, dr, outr = (rows.take(x).to(q.dtype).to(acc) for x in (q, dout, out))  # (pairs, heads, dim)
     kr, vr = (keys.take(x).to(acc).repeat_interleave(group, 1) for x in (k, v))
     row_lse = in_accumulate_dtype(rows.take_lse(lse)).t()
     p = torch.exp((qr * kr).sum(-1) * scale - torch.where(torch.isneginf(row_lse), math.inf, row_lse))
