@@ -280,6 +280,9 @@ def run_stream(args, device: torch.device, dtype: torch.dtype, backends: list[st
     records = []
     for world in (int(x) for x in args.stream_worlds.split(",")):
         for name in backends:
+            if name == "cudnn_fe" and cudnn_fe.unavailable_reason() is not None:
+                records.append({"world": world, "backend": name, "skipped": cudnn_fe.unavailable_reason()})
+                continue
             kernel = kernel_named(name)
             step_ms, builds, flops = [], [], []
             for seg in layouts:
@@ -317,7 +320,7 @@ def stream_summary(records: list[dict], dense_ms: float | None) -> dict:
     of the steps)."""
     out = {}
     for world in sorted({r["world"] for r in records}):
-        by = {r["backend"]: r for r in records if r["world"] == world}
+        by = {r["backend"]: r for r in records if r["world"] == world and "skipped" not in r}
         entry = {}
         fe = by.get("cudnn_fe")
         if fe:

@@ -79,11 +79,12 @@ class RowMap:
 
 
 def gather_rows(x: torch.Tensor, rows: Rows, capacity: int | None = None) -> torch.Tensor:
-    """Rows of ``x`` ``(batch, length, H, D)`` flattened, contiguous ``(total, H, D)``; with ``capacity``, a
-    ``(capacity, H, D)`` tensor whose first ``total`` rows are those and the rest zeros."""
+    """Rows of ``x`` ``(batch, length, H, D)`` flattened, contiguous ``(total, H, D)`` (a view when they are
+    one contiguous run); with ``capacity``, a ``(capacity, H, D)`` tensor whose first ``total`` rows are
+    those and the rest zeros."""
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     picked = flat[rows] if isinstance(rows, slice) else flat.index_select(0, rows)
-    if capacity is None:
+    if capacity is None or capacity == picked.shape[0]:
         return picked.contiguous()
     total = picked.shape[0]
     buf = torch.empty((capacity, *flat.shape[1:]), dtype=x.dtype, device=x.device)
