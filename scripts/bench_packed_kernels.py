@@ -2,7 +2,7 @@
 
 Backends on the same bf16 tokens, per row length and key/value head count: our Triton kernels with key
 ranges, ``flash_varlen`` (torch's FlashAttention-2 varlen op), ``cudnn_fe`` (cuDNN's variable-length op from
-nvidia-cudnn-frontend, through our backend: bucketed graph shapes, the backward's key-length parts),
+nvidia-cudnn-frontend, through our backend: bucketed graph shapes, the backward's key-length split),
 ``cudnn_fe_raw`` (the package's own autograd op on the row's exact lengths: what our layout costs; not a
 candidate for "best"), FlexAttention with a document block mask (compiled), and dense cuDNN causal attention
 over the whole row (the per-FLOP yardstick). Each is timed as wall time (CUDA events, host work included) and
@@ -12,7 +12,8 @@ GPU time (the kernels' own time, from the profiler). Useful FLOPs count the pair
 ``--stream STEPS`` then runs a changing packed stream: every step a new row of log-normal documents (seeds
 20000 + step), forward+backward of every ring task of ``--stream-worlds`` ranks run on this GPU (world 1:
 the whole row), per backend, timed step by step with host work and cuDNN graph builds included (graphs the
-op gained in a step are counted), against dense cuDNN on the same tokens per useful FLOP.
+op gained in a step are counted; the ring's schedule is built before the clock starts, each task's mask,
+document blocks or key ranges, inside it), against dense cuDNN on the same tokens per useful FLOP.
 
 Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table. The summary has
 ``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K, first head
@@ -245,12 +246,13 @@ def stream_tasks(seg: Segments, world: int) -> list[tuple[SpanTask, int]]:
     return [(t, chunk) for step in sched.steps for t in step if t is not None]
 
 
-def stream_step(kernel, seg, world, tensors, scale) -> None:
-    """Forward and backward of every task of the step (the rows' own out/lse as their global ones)."""
+def stream_step(kernel, seg, tasks, tensors, scale) -> None:
+    """Forward and backward of every task of the step (the rows' own out/lse as their global ones), the
+    tasks' masks built here (document blocks or key ranges: part of each backend's cost)."""
     q, k, v, dout = tensors
     blocks = kernel.capabilities.supports_doc_blocks
     ranges = None if blocks else key_ranges(seg, causal=True, device=q.device)
-    for task, chunk in stream_tasks(seg, world):
+    for task, chunk in tasks:
         rows = slice(task.q_owner * chunk + task.row_start, task.q_owner * chunk + task.row_stop)
         key_a, key_b = task.keys(chunk)
         keys = slice(task.kv_owner * chunk + key_a, task.kv_owner * chunk + key_b)
@@ -286,10 +288,11 @@ def run_stream(args, device: torch.device, dtype: torch.dtype, backends: list[st
             kernel = kernel_named(name)
             step_ms, builds, flops = [], [], []
             for seg in layouts:
+                tasks = stream_tasks(seg, world)  # the schedule: every backend's, built before the clock
                 before = set(cudnn_fe.ops().graphs) if name == "cudnn_fe" else set()
                 _sync(device)
                 start = time.perf_counter()
-                stream_step(kernel, seg, world, tensors, d ** -0.5)
+                stream_step(kernel, seg, tasks, tensors, d ** -0.5)
                 _sync(device)
                 step_ms.append((time.perf_counter() - start) * 1e3)
                 builds.append(len(set(cudnn_fe.ops().graphs) - before) if name == "cudnn_fe" else 0)

@@ -111,12 +111,13 @@ class DocBlocks:
 def make_doc_blocks(
     q_lens: tuple[int, ...],
     k_lens: tuple[int, ...],
-    q_rows: list[int] | range | slice,
-    k_rows: list[int] | range | slice,
+    q_rows: list[int] | range | slice | torch.Tensor,
+    k_rows: list[int] | range | slice | torch.Tensor,
     causal: bool,
     device: torch.device | str,
 ) -> DocBlocks:
-    """A :class:`DocBlocks` from host lists (row indices become a ``slice`` when contiguous)."""
+    """A :class:`DocBlocks` from host lists or index tensors (row indices become a ``slice`` when
+    contiguous)."""
     if len(q_lens) != len(k_lens) or min((*q_lens, *k_lens), default=1) < 1:
         raise ValueError(
             f"blocks need equal counts of positive query and key lengths; got {q_lens}, {k_lens}."
@@ -127,6 +128,10 @@ def make_doc_blocks(
             return r
         if isinstance(r, range) and r.step == 1:
             return slice(r.start, r.stop)
+        if isinstance(r, torch.Tensor):
+            if r.numel() != total:
+                raise ValueError(f"{r.numel()} row indices for {total} rows of the blocks.")
+            return r.to(device=device, dtype=torch.int64)
         r = list(r)
         if len(r) != total:
             raise ValueError(f"{len(r)} row indices for {total} rows of the blocks.")

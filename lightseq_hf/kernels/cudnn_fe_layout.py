@@ -169,37 +169,38 @@ def _without_first_keys(blocks: DocBlocks) -> tuple[DocBlocks, KeyPairs]:
         fed = min(m, n - 1) if blocks.causal else m
         parts.append((qa + m - fed, fed, ka + 1, n - 1))
         pair_rows.append((qa, m))
-        pair_keys += [ka] * m
+        pair_keys.append((ka, m))  # the first key, once per row of the block
     device = blocks.cu_q.device
-    pairs = KeyPairs(_flat(blocks.q_rows, _positions(pair_rows), device),
-                     _flat(blocks.k_rows, pair_keys, device))
+    keys = torch.repeat_interleave(torch.tensor([ka for ka, _ in pair_keys], dtype=torch.int64),
+                                   torch.tensor([m for _, m in pair_keys], dtype=torch.int64))
+    pairs = KeyPairs(_indices(_pick(blocks.q_rows, _positions(pair_rows), device), device),
+                     _indices(_pick(blocks.k_rows, keys, device), device))
     return _sub_blocks(blocks, parts, blocks.causal), pairs
 
 
-def _flat(rows: Rows, pos: list[int], device: torch.device) -> torch.Tensor:
-    """The fed rows at positions ``pos`` of ``rows`` as an int64 index tensor on ``device``."""
-    picked = _pick(rows, pos, device)
-    if isinstance(picked, slice):
-        return torch.arange(picked.start, picked.stop, device=device)
-    return picked.to(device)
-
-
-def _positions(spans: list[tuple[int, int]]) -> list[int]:
-    return [p for start, length in spans for p in range(start, start + length)]
-
-
-def _pick(rows: Rows, pos: list[int], device: torch.device) -> Rows:
-    """The fed rows at positions ``pos`` of ``rows`` (a slice or a view when they are one run)."""
-    if not pos:
-        return slice(0, 0)
-    if pos == list(range(pos[0], pos[0] + len(pos))):
-        if isinstance(rows, slice):
-            return slice(rows.start + pos[0], rows.start + pos[0] + len(pos))
-        return rows[pos[0]: pos[0] + len(pos)]
-    idx = torch.tensor(pos, dtype=torch.int64)
+def _indices(rows: Rows, device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 index tensor on ``device``."""
     if isinstance(rows, slice):
-        return (idx + rows.start).to(device)
-    return rows[idx.to(device)]
+        return torch.arange(rows.start, rows.stop, device=device)
+    return rows.to(device)
+
+
+def _positions(runs: list[tuple[int, int]]) -> slice | torch.Tensor:
+    """Positions ``[start, start + n)`` of each run, in order: a slice when the runs abut, else int64."""
+    if all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:])):
+        return slice(runs[0][0], runs[-1][0] + runs[-1][1]) if runs else slice(0, 0)
+    return torch.cat([torch.arange(a, a + n, dtype=torch.int64) for a, n in runs])
+
+
+def _pick(rows: Rows, pos: slice | torch.Tensor, device: torch.device) -> Rows:
+    """The fed rows at positions ``pos`` of ``rows`` (a slice or a view when ``pos`` is a slice)."""
+    if isinstance(pos, slice):
+        if isinstance(rows, slice):
+            return slice(rows.start + pos.start, rows.start + pos.stop)
+        return rows[pos]
+    if isinstance(rows, slice):
+        return (pos + rows.start).to(device)
+    return rows[pos.to(device)]
 
 
 def _sub_blocks(blocks: DocBlocks, parts: list[Part], causal: bool) -> DocBlocks:

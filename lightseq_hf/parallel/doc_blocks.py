@@ -93,12 +93,15 @@ def _task_doc_blocks(segments: Segments, q_owner: int, kv_owner: int, row_start:
     spans, needs_causal = doc_spans(segments, q0, q_owner * chunk + row_stop, k0,
                                     kv_owner * chunk + key_stop, causal)
     rows, keys = row_stop - row_start, key_stop - key_start
-    q_rows: list[int] = []
-    k_rows: list[int] = []
-    for s in spans:
-        q_rows.extend(range(s.row * rows + s.q_start - q0, s.row * rows + s.q_stop - q0))
-        k_rows.extend(range(s.row * keys + s.k_start - k0, s.row * keys + s.k_stop - k0))
-    q_lens = tuple(s.q_stop - s.q_start for s in spans)
-    k_lens = tuple(s.k_stop - s.k_start for s in spans)
-    return make_doc_blocks(q_lens, k_lens, q_rows, k_rows, needs_causal, device)
+    q_runs = [(s.row * rows + s.q_start - q0, s.q_stop - s.q_start) for s in spans]
+    k_runs = [(s.row * keys + s.k_start - k0, s.k_stop - s.k_start) for s in spans]
+    return make_doc_blocks(tuple(n for _, n in q_runs), tuple(n for _, n in k_runs), _fed_rows(q_runs),
+                           _fed_rows(k_runs), needs_causal, device)
+
+
+def _fed_rows(runs: list[tuple[int, int]]) -> slice | torch.Tensor:
+    """Rows ``[start, start + n)`` of each run, in order: a slice when the runs abut, else int64 indices."""
+    if all(a + n == b for (a, n), (b, _) in zip(runs, runs[1:])):
+        return slice(runs[0][0], runs[-1][0] + runs[-1][1]) if runs else slice(0, 0)
+    return torch.cat([torch.arange(a, a + n, dtype=torch.int64) for a, n in runs])
 
