@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The GPU main job, measured: scripts/finetune.py with accelerate's FSDP2 plugin on the GPU configs, beside
 # scripts/bench_train.py on the same shapes in the same call, joined by scripts/finetune_report.py.
-# Usage: bash scripts/run_gpu_finetune.sh OUT_DIR [x2|x4]
+# Usage: bash scripts/run_gpu_finetune.sh OUT_DIR [x2|x4|packed]
 #   x2  (2 GPUs; on a 4-GPU machine the benchmark runs at the same time on GPUs 2-3): the FSDP2 GPU test
 #       (tests/gpu/test_finetune_gpu.py), Llama-2-7B at 32K and at 64K through finetune.py, bench_train
 #       at 32K and 64K -> OUT_DIR/finetune-<device>-x2-<date>.json
 #   x4  (4 GPUs): Llama-2-7B at 64K with sp_size 4, bench_train at 64K, the Llama-3-8B-shaped GQA config at
 #       128K and 256K -> OUT_DIR/finetune-<device>-x4-<date>.json
+#   packed (2 GPUs, needs the datasets package): Llama-2-7B at 64K on packed documents of log-normal lengths
+#       (median 2048 bytes, the bytes tokenizer), once per packed backend (PACKED_BACKENDS, default "triton
+#       cudnn_fe") -> OUT_DIR/finetune-packed-<device>-x2-<date>.json with speedup_vs_triton
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: run_gpu_finetune.sh OUT_DIR [x2|x4]}
+out=${1:?usage: run_gpu_finetune.sh OUT_DIR [x2|x4|packed]}
 part=${2:-x2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -74,4 +77,27 @@ if [[ $part == x4 ]]; then
   done
   python3 scripts/finetune_report.py --out "$out/finetune-$slug-x4-$date.json" "${runs[@]}" \
     --bench 7b-64k-sp4 "$out/train-$slug-x4-$date-finetune-ref.json" 65536 remat --note "4 GPUs"
+fi
+if [[ $part == packed ]]; then
+  python3 -c "import datasets" 2>/dev/null || { echo "part packed reads its documents with the datasets package" \
+    "(pip install datasets)" >&2; exit 1; }
+  export CUDA_VISIBLE_DEVICES=0,1
+  docs=$out/packed-docs.jsonl
+  python3 - "$docs" <<'EOF'
+import json, random, sys
+sys.path.insert(0, "scripts")
+from benchlib.workloads import lognormal_docs
+letters = random.Random(0)
+with open(sys.argv[1], "w") as f:
+    for a, b in lognormal_docs(8 * 65536, median=2048, sigma=1.0, max_len=32768, seed=3):
+        f.write(json.dumps({"text": "".join(letters.choices("abcdefghijklmnopqrstuvwxyz  ", k=b - a))}) + "\n")
+EOF
+  runs=() port=29631
+  for b in ${PACKED_BACKENDS:-triton cudnn_fe}; do
+    finetune "7b-64k-packed-$b" 2 $((port++)) configs/llama2-7b-64k.yaml data.type=files "data.paths=[$docs]" \
+      data.format=json tokenizer=bytes training.backend="$b" training.max_steps=4 training.grad_accum=1
+    runs+=(--run "$b" "$out/runs/7b-64k-packed-$b" "$(head -1 "$out/7b-64k-packed-$b.log")")
+  done
+  python3 scripts/finetune_report.py --out "$out/finetune-packed-$slug-x2-$date.json" "${runs[@]}" \
+    --speedup cudnn_fe triton --note "2 GPUs; documents of log-normal lengths (median 2048 bytes), bytes tokenizer"
 fi
