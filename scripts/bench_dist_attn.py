@@ -6,7 +6,8 @@ Launch with torchrun, one process per GPU (multicast off on shared machines)::
         torchrun --nproc_per_node 2 scripts/bench_dist_attn.py --out benchmarks/results
 
 Rows (bf16, causal, head dim 128, batch 1): ours (balanced schedule, overlapped transfers)
-with each local kernel; ablations (ring schedule, serial transfers, compute only); torch
+with each local kernel, and the pipelined schedule (its last step in two halves); ablations
+(ring schedule, serial transfers, compute only); torch
 context parallel (ring attention over SDPA, head-tail load balancing) with both rotate
 methods; one GPU computing the whole sequence. Times are medians of the slowest rank.
 """
@@ -204,7 +205,7 @@ def record_per_rank(record, row: dict, measure) -> None:
 
 def ablation_variants(main_config: bool, no_ablations: bool) -> list[tuple[str, str, str]]:
     """(row name, schedule, transfer mode) of ours and, on the main head layout, its ablations."""
-    variants = [("ours", "balanced", "overlap")]
+    variants = [("ours", "balanced", "overlap"), ("pipelined", "pipelined", "overlap")]
     if main_config and not no_ablations:
         variants += [("ring", "ring", "overlap"), ("paper", "paper", "overlap"),
                      ("no_overlap", "balanced", "serial")]
@@ -370,6 +371,13 @@ def summarize(rows, world) -> dict:
             entry["vs_torch_cp_triton"] = min(cps) / ours_triton
         if ours and compute:
             entry["comm_overhead"] = ours / compute - 1
+        pipelined = find(rows, "ms", impl="pipelined_sdpa_cudnn", **m)
+        if pipelined and cps:
+            entry["vs_torch_cp_pipelined"] = min(cps) / pipelined
+        if pipelined and single:
+            entry["efficiency_pipelined"] = single / (world * pipelined)
+        if pipelined and compute:  # against the balanced schedule's compute (the same blocks, one step fewer)
+            entry["comm_overhead_pipelined"] = pipelined / compute - 1
         busy = _per_rank(rows, impl="compute_only_sdpa_cudnn", **m)
         if busy:
             entry["compute_spread"] = max(busy) / min(busy) - 1
