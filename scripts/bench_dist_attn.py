@@ -58,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace", action="store_true", help="write a gzipped profiler trace of ours")
     p.add_argument("--trace-seq", type=int, default=65536, help="total length of the traced run")
     p.add_argument("--trace-backend", default="sdpa_cudnn", help="local kernel of the traced run")
+    p.add_argument("--trace-schedules", default="balanced",
+                   help="schedules of the traced runs, comma separated (one trace each)")
     p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
     p.add_argument("--replay", action="store_true",
                    help="also time each rank's own tasks of the balanced schedule through the local kernel "
@@ -274,7 +276,8 @@ def bench_length(args, n: int, heads: str, world: int, solo_group, record) -> No
     base = {"seq": n, "heads": h, "kv_heads": hk}
     bench_ours(args, (q, k, v, dout), base, world, reps, record)
     if args.trace and n == args.trace_seq and hk == h:
-        write_trace(q, k, v, dout, args.trace_backend, Path(args.out), rank, n)
+        for schedule in args.trace_schedules.split(","):
+            write_trace(q, k, v, dout, args.trace_backend, schedule, Path(args.out), rank, n)
     del q, k, v, dout
     torch.cuda.empty_cache()
     bench_peers(args, base, world, reps, solo_group, record)
@@ -327,16 +330,17 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def write_trace(q, k, v, dout, backend, out_dir, rank, n):
+def write_trace(q, k, v, dout, backend, schedule, out_dir, rank, n):
     from torch.profiler import ProfilerActivity, profile
 
-    fn = make_ours(q, k, v, dout, backend, "balanced", True)
+    fn = make_ours(q, k, v, dout, backend, schedule, True)
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn()
         torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out_dir / f"trace-dist-{n // 1024}k-{backend}-rank{rank}.json.gz"))
+    name = f"trace-dist-{n // 1024}k-{backend}-{schedule}-rank{rank}.json.gz"
+    prof.export_chrome_trace(str(out_dir / name))
 
 
 def _per_rank(rows, **match) -> list[float] | None:
