@@ -125,7 +125,8 @@ def test_workers_get_expandable_segments_before_cuda_unless_the_user_chose(monke
     assert "PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 (set by the user)" in capsys.readouterr().out
 
     env = {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}  # torch's newer name counts as a choice
-    assert "PYTORCH_ALLOC_CONF=expandable_segments:False (set by the user)" in launch.use_expandable_segments(env)
+    line = launch.use_expandable_segments(env)
+    assert "PYTORCH_ALLOC_CONF=expandable_segments:False (set by the user)" in line
     assert "PYTORCH_CUDA_ALLOC_CONF" not in env
 
 
@@ -148,7 +149,8 @@ def test_what_counts_as_out_of_memory() -> None:
 def test_the_line_names_rank_phase_request_and_advice() -> None:
     err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total ...")
     line = out_of_memory_line(3, "optimizer step", 7, err, torch.device("cpu"), "ADVICE")
-    assert line == "rank 3 ran out of memory in 'optimizer step' at step 7 (tried to allocate 1.50 GiB); ADVICE"
+    assert line == ("rank 3 ran out of memory in 'optimizer step' at step 7 (tried to allocate 1.50 GiB); "
+                    "ADVICE")
     assert "\n" not in line
 
 
