@@ -7,7 +7,7 @@ launch under its own time limit.
     python scripts/maxctx_ladder.py poll  --out DIR [--wait 540]
 
 ``plan`` prints each ladder's variant, the planner's longest context, the first rung and its estimated
-minutes, and runs nothing. ``start`` runs the ladders detached (a new session, output in
+minutes, and runs nothing. ``start`` runs the ladders detached (setsid, output in
 ``DIR/maxctx-ladder.log``) and returns at once; ``poll`` prints their progress (``--wait S``: until they end
 or S seconds pass). ``run`` is what ``start`` detaches (the same in the foreground).
 
