@@ -230,9 +230,18 @@ def run_rung(args: argparse.Namespace, m: dict, ladder: Ladder, n: int, estimate
 # ----------------------------------------------------------------------------- the ladders
 
 
-def results_file(args: argparse.Namespace, m: dict) -> Path:
+def results_file(args: argparse.Namespace, m: dict) -> tuple[Path, list[dict], dict]:
+    """``OUT/maxctx-<device>-x<P>-<date>.json``, with the rows and ladders of a ladder run that wrote it
+    earlier the same day (another model, say), which this run adds to; ``-ladder`` is appended to the
+    name when a file of another kind has it."""
     slug = "cpu" if m["device"] == "cpu" else device_slug(m["device"], short=True)
-    return Path(args.out) / f"maxctx-{slug}-x{m['world']}-{today()}.json"
+    path = Path(args.out) / f"maxctx-{slug}-x{m['world']}-{today()}.json"
+    if not path.exists():
+        return path, [], {}
+    doc = json.loads(path.read_text())
+    if doc.get("kind") != "maxctx-ladder":
+        return path.with_name(f"{path.stem}-ladder.json"), [], {}
+    return path, doc["rows"], doc.get("ladders", {})
 
 
 class Run:
@@ -240,14 +249,14 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, m: dict, ladders: list[Ladder]) -> None:
         self.args, self.m, self.ladders = args, m, ladders
-        self.path = results_file(args, m)
-        self.rows: list[dict] = []
+        self.path, self.rows, self.earlier_ladders = results_file(args, m)
+        models = {r["model"] for r in self.rows} | set(args.models.split(","))
         self.meta = {"kind": "maxctx-ladder", "device": m["device"], "cards": m["cards"], "world": m["world"],
                      "date": today(), "gpu_gib": m["gpu_gib"], "host_gib": m["host_gib"],
                      "budget_per_rank_gib": {"gpu": m["gpu_budget_bytes"] / 2**30,
                                              "host": m["host_budget_bytes"] / 2**30},
                      "budget_min": args.budget_min, "tflops_estimate": args.tflops,
-                     "models": {k: MODEL_NAMES.get(k, k) for k in args.models.split(",")},
+                     "models": {k: MODEL_NAMES.get(k, k) for k in sorted(models)},
                      "notes": "each rung one launch of bench_train.py --rung: one full optimizer step "
                               "(forward, backward, AdamW with its state allocated first), FSDP2 over every "
                               "GPU, sequence parallel over every GPU, bf16 compute, fp32 master weights; "
@@ -259,7 +268,7 @@ class Run:
                       "plan": plan_lines(args, m, ladders)}
 
     def ladders_meta(self) -> dict:
-        out: dict = {}
+        out: dict = {model: dict(v) for model, v in self.earlier_ladders.items()}
         for ladder in self.ladders:
             out.setdefault(ladder.model, {})[ladder.impl] = {
                 "variant": ladder.variant, "planned_max": ladder.planned_max, "first_rung": ladder.start,

@@ -240,3 +240,19 @@ def test_a_rank_that_fails_ends_the_rung_at_once(tmp_path):
     assert row["wall_s"] < 200
     ladder.rows.append(row)
     assert ladder.next_length(1e9, 1e9, 2) is None and "without running out" in ladder.stopped
+
+
+def test_a_second_run_the_same_day_adds_to_the_results(tmp_path):
+    runner = _runner()
+    args = runner.parse_args(["run", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2",
+                              "--models", "tiny", "--gpu-gib", "0.01", "--host-gib", "1"])
+    m = runner.machine(args)
+    path, rows, ladders = runner.results_file(args, m)
+    assert path.name.startswith("maxctx-cpu-x2-") and rows == [] and ladders == {}
+    earlier = [{"model": "7b", "impl": "ours", "variant": "v", "seq": 8192, "step_s": 1.0}]
+    path.write_text(json.dumps({"kind": "maxctx-ladder", "rows": earlier, "ladders": {"7b": {"ours": {}}}}))
+    run = runner.Run(args, m, runner.make_ladders(args, m))
+    assert run.path == path and run.rows == earlier and set(run.ladders_meta()) == {"7b", "tiny"}
+    assert run.meta["models"] == {"7b": "Llama-2-7B", "tiny": "tiny"}
+    path.write_text(json.dumps({"rows": [], "summary": {}}))  # a bench_train.py --maxctx file
+    assert runner.results_file(args, m)[0].name.endswith("-ladder.json")

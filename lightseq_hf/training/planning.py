@@ -108,7 +108,7 @@ def _memory_options(cfg: Any, world: int, sharding: str) -> list[tuple[str, dict
     out: list[tuple[str, dict]] = []
     if t.checkpointing == "none":
         out.append(("training.checkpointing=remat", {"checkpointing": "remat"}))
-    if t.offload_checkpoints is False or t.offload_checkpoints == 0:
+    if t.offload_checkpoints is not True and t.offload_checkpoints != "auto":  # none, or some layers
         out.append(("training.offload_checkpoints=auto", {"offload_checkpoints": "auto"}))
     if t.tiled_mlp is None:
         out.append((f"training.tiled_mlp={ADVICE_TILE}", {"tiled_mlp": ADVICE_TILE}))
