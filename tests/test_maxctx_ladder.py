@@ -143,6 +143,8 @@ def test_runner_start_poll_on_two_cpu_processes(tmp_path):
     recorded as skipped, and the results file has the summary the README and the lead read."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # bench_train sets its default
+        env.pop(name, None)
     common = ["--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--models", "tiny",
               "--gpu-gib", "0.01", "--host-gib", "1", "--unit", "512", "--tile", "256", "--max-rungs", "2",
               "--budget-min", "60",
@@ -235,7 +237,7 @@ def test_a_rank_that_fails_ends_the_rung_at_once(tmp_path):
     ladder = Ladder("tiny", "ours", "remat+tiled", 1024, 1024, 512)
     found = runner.run_rung(args, runner.machine(args), ladder, 1024, {"total_s": 60.0}, limit=240)
     row = found["row"]
-    assert found["meta"] is None and row["failed_ranks"] == [0, 1], row
+    assert found["meta"] is None and row["failed_ranks"] in ([0], [1], [0, 1]), row  # the first ends it
     assert "tiled_mlp must be a positive number" in row["error"] and row["failed_phase"] == "set-up"
     assert row["wall_s"] < 200
     ladder.rows.append(row)

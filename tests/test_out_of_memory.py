@@ -112,8 +112,9 @@ def test_workers_get_expandable_segments_before_cuda_unless_the_user_chose(monke
         raise cli.ConfigError("stopped by the test")
 
     monkeypatch.setattr(loop.Trainer, "_start_processes", stop_at_start)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # restored (unset) after the test
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     args = [str(ROOT / "configs" / "tiny.yaml"), "training.device=cpu", "output_dir=/nonexistent/x"]
     assert cli.main(args) == 2
     assert seen == ["expandable_segments:True"]
