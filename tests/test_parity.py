@@ -61,8 +61,9 @@ def _batch(kind: str, rows: int, length: int, seed: int) -> dict:
         a, b = sorted(gen.sample(range(2, length - 3), 2))
         cu = torch.tensor([0, a, b, length - 2], dtype=torch.int32)  # the last 2 tokens: padding
         labels[:, length - 3:] = -100
+        positions = torch.cat([torch.arange(n) for n in (a, b - a, length - 2 - b, 2)])[None]
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=int(cu.diff().max()),
-                     max_length_k=int(cu.diff().max()))
+                     max_length_k=int(cu.diff().max()), position_ids=positions)
     return batch
 
 
@@ -182,11 +183,12 @@ def _fault_cases(rank: int, world: int) -> list[str]:
     failures = []
     solo = dist.new_group([rank], use_local_synchronization=True)
     faults = [  # (name, what to replace, replacement, batch kind, patch options, sync, expected message)
-        ("wrong shard order", "shard_for", _reversed_shards, "plain", {}, True, "differs from the unsharded"),
+        ("wrong shard order", "shard_for", _reversed_shards, "plain", {}, True,
+         "differs from the unpatched model"),
         ("dropped document mask", "dist_flash_attn", _without_documents, "packed", {}, True,
-         "differs from the unsharded"),
+         "differs from the unpatched model"),
         ("kernel off by 1e-4", "kernel_named", _kernel_off_by(1e-4, on_rank=world - 1), "plain", {}, True,
-         "differs from the unsharded"),
+         "differs from the unpatched model"),
         ("missing gradient sync", None, None, "plain", {}, False, "nothing averages them"),
         ("a rank runs unsharded", None, None, "plain", {"sp_group": solo} if rank == 1 else {}, True,
          "rank 1 would run its attention unsharded"),
