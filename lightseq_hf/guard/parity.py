@@ -27,7 +27,7 @@ from ..patches.state import resolve_sp_group
 from .gradients import gradient_sketch, is_sharded_gradient
 from .observe import AttentionWatch
 from .reference import (
-    attention_in_float32,
+    attention_upcast,
     batch_shape,
     check_documents_visible,
     document_ids,
@@ -46,6 +46,9 @@ IGNORE_INDEX = -100  # the label transformers' losses skip
 #: packed, padded and cu_seq_lens rows of 12-36 tokens, 2 gloo processes; torch 2.13 CPU, transformers
 #: 5.23, 2026-11-24): bfloat16 0.0276 (loss 2.2e-4), float16 0.0035 (loss 4.2e-5).
 DEFAULT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.0125}
+#: the precision of the unsharded run that measures what the attention's rounding changes (the tolerance's
+#: yardstick, :mod:`.verdict`), by the attention's dtype
+PRECISE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
 #: default prefix: this fraction of a fine-tune micro-batch's cost (sharded + unsharded passes)
 COST_FRACTION = 0.04
 MIN_TOKENS_PER_RANK = 16
@@ -116,15 +119,15 @@ def check_parity(
         dtypes = [c.dtype for found in watch.calls.values() for c in found]
         floats = [p.dtype for p in params if p.is_floating_point()]
         dtype = dtypes[0] if dtypes else (floats or [torch.float32])[0]
-        reference = _reference_passes(model, target, attention, inputs, params, seed,
-                                      rounded=dtype in (torch.bfloat16, torch.float16))
+        reference = _reference_passes(model, target, attention, inputs, params, seed, PRECISE.get(dtype))
     calls = {name: [(c.local_length, c.group) for c in found] for name, found in watch.calls.items()}
     tolerance = rtol if rtol is not None else DEFAULT_RTOL.get(dtype, 1e-5)
-    error, loss_ref, sketch_ref, norms_ref, loss_rounded, sketch_rounded = reference
+    error, loss_ref, sketch_ref, norms_ref, loss_precise, sketch_precise = reference
     findings = _gather((error, Findings(
         rank, sp_ranks, _group_name(group), loss=loss_value, loss_reference=loss_ref, sketch=sketch[0],
-        sketch_reference=sketch_ref, norms_reference=norms_ref, loss_rounded=loss_rounded,
-        sketch_rounded=sketch_rounded, calls=calls, sharded_grads=sharded or _fsdp1(model))))
+        sketch_reference=sketch_ref, norms_reference=norms_ref, loss_precise=loss_precise,
+        sketch_precise=sketch_precise, calls=calls, interface_calls=watch.interface_calls,
+        sharded_grads=sharded or _fsdp1(model))))
     _check_reference_ran(findings, attention)
     report = verdict([f for _, f in findings], prefix, tolerance,
                      [_display(n) for n, _ in model.named_parameters()], attention)
@@ -182,22 +185,22 @@ def _label_tokens(inputs: dict[str, Any], tokens: int) -> str:
     return f"input_ids ({given})"
 
 
-def _reference_passes(model, target, attention, inputs, params, seed, rounded: bool):
-    """(error or None, loss, sketch, norms, loss and sketch with the attention in float32 or None) of the
-    unsharded runs on this rank: ``model`` as Transformers defines it, outside DDP (its gradients are this
-    rank's alone), with no gradient sync."""
+def _reference_passes(model, target, attention, inputs, params, seed, precise: torch.dtype | None):
+    """(error or None, loss, sketch, norms, loss and sketch with the attention in ``precise`` or None) of
+    the unsharded runs on this rank: ``model`` as Transformers defines it, outside DDP (its gradients are
+    this rank's alone), with no gradient sync."""
     alone = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
     try:
         with unpatched_model(target, attention):
             value, (sketch, norms) = _unsharded_pass(alone, inputs, params, seed)
-            rounded_value = rounded_sketch = None
-            if rounded:
-                with attention_in_float32(attention):
-                    rounded_value, (rounded_sketch, _) = _unsharded_pass(alone, inputs, params, seed)
+            precise_value = precise_sketch = None
+            if precise is not None:
+                with attention_upcast(attention, precise):
+                    precise_value, (precise_sketch, _) = _unsharded_pass(alone, inputs, params, seed)
     except Exception as err:  # noqa: BLE001  (reported on every rank by the verdict's exchange)
         return (f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}", math.nan, None,
                 None, None, None)
-    return None, value, sketch, norms, rounded_value, rounded_sketch
+    return None, value, sketch, norms, precise_value, precise_sketch
 
 
 def _unsharded_pass(model, inputs, params, seed) -> tuple[float, tuple[torch.Tensor, torch.Tensor]]:

@@ -6,8 +6,8 @@ before the patch (``"sdpa"``, ``"eager"``, a flash-attention one, or a function 
 Transformers' ``AttentionInterface``), Transformers' own checkpoint function and untiled MLPs. So
 soft-capping, sinks, chunked layers, the model's own position ids and masks, and a user's attention
 function are what the model itself computes, and a bug in the patch is seen as a difference.
-:func:`attention_in_float32` gives the same attention without its rounding (the yardstick of bfloat16
-and float16 checks). The documents of each row are read again from the inputs (:func:`document_ids`) for
+:func:`attention_upcast` gives the same attention with less rounding (the yardstick of the check's
+tolerance). The documents of each row are read again from the inputs (:func:`document_ids`) for
 the report and to refuse documents the model's own attention cannot see.
 """
 
@@ -207,16 +207,16 @@ def _eager_of(module: torch.nn.Module):
     """The eager attention function of ``module``'s modeling file."""
     found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if found is None:
-        raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward beside it; the bfloat16 "
-                           "parity check cannot run its attention in float32. Pass rtol to check_parity.")
+        raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward beside it; the parity check"
+                           " cannot run its attention at a higher precision. Pass rtol to check_parity.")
     return found
 
 
 @contextlib.contextmanager
-def attention_in_float32(name: str) -> Iterator[None]:
+def attention_upcast(name: str, dtype: torch.dtype) -> Iterator[None]:
     """While open, the attention implementation ``name`` (registered in Transformers' ``AttentionInterface``,
-    or ``"eager"``: each model's own eager function) runs on float32 copies of its operands with autocast
-    off, its output cast to the dtype it would have had: the same attention without its rounding."""
+    or ``"eager"``: each model's own eager function) runs on ``dtype`` copies of its floating operands with
+    autocast off, its output cast to the dtype it would have had: the same attention with less rounding."""
     from transformers.modeling_utils import AttentionInterface
 
     mapping = AttentionInterface._global_mapping
@@ -225,13 +225,13 @@ def attention_in_float32(name: str) -> Iterator[None]:
     def upcast(module, query, key, value, attention_mask=None, *args, **kwargs):
         function = original or _eager_of(module)
         device = query.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
         if torch.is_tensor(attention_mask) and attention_mask.is_floating_point():
-            attention_mask = attention_mask.float()
+            attention_mask = attention_mask.to(dtype)
         with torch.autocast(device, enabled=False):
-            out, weights = function(module, query.float(), key.float(), value.float(), attention_mask, *args,
-                                    **kwargs)
-        return out.to(dtype), weights
+            out, weights = function(module, query.to(dtype), key.to(dtype), value.to(dtype), attention_mask,
+                                    *args, **kwargs)
+        return out.to(out_dtype), weights
 
     mapping[name] = upcast
     try:

@@ -17,14 +17,14 @@ import torch
 
 from .gradients import SKETCH_DIM
 
-#: bfloat16 and float16 checks also run the unsharded model with its attention in float32. The relative
-#: change that rounding makes to the loss, and the largest it makes to a parameter kind's gradients (every
-#: layer's copy of a weight), is the yardstick, and the tolerance is ``max(rtol, NOISE_FACTOR x
-#: yardstick)``: deep random-weight models amplify every rounding in the key projections' gradients, and
-#: the sharded path rounds more than one kernel (partial outputs merged across ranks) and runs
-#: nondeterministic backward kernels. Llama-2-7B shape, FSDP2 bf16 on 2 x H100, 436-873 tokens
-#: (2026-11-25): the worst gradient errors 0.068-0.171 were all in key projections, whose largest rounding
-#: change measured 0.021-0.112.
+#: checks also run the unsharded model with its attention at a higher precision (bfloat16 and float16 in
+#: float32, float32 in float64; :data:`~.parity.PRECISE`). The relative change that rounding makes to the
+#: loss, and the largest it makes to a parameter kind's gradients (every layer's copy of a weight), is the
+#: yardstick, and the tolerance is ``max(rtol, NOISE_FACTOR x yardstick)``: deep random-weight models
+#: amplify every rounding in the key projections' gradients, and the sharded path rounds more than one
+#: kernel (partial outputs merged across ranks) and runs nondeterministic backward kernels. Llama-2-7B
+#: shape, FSDP2 bf16 on 2 x H100, 436-873 tokens (2026-11-25): the worst gradient errors 0.068-0.171 were
+#: all in key projections, whose largest rounding change measured 0.021-0.112.
 NOISE_FACTOR = 8.0
 #: a parameter's gradient error is relative to its norm, or to this fraction of the largest one if larger
 GRADIENT_FLOOR = 1e-3
@@ -44,9 +44,10 @@ class Findings:
     sketch: torch.Tensor  # (parameters, SKETCH_DIM) projections of the gradients, sequence-parallel run
     sketch_reference: torch.Tensor  # the same, unsharded run (no sync: the model alone on this rank)
     norms_reference: torch.Tensor  # (parameters,) gradient norms, unsharded run
-    loss_rounded: float | None  # bfloat16/float16: the unsharded run with its attention in float32
-    sketch_rounded: torch.Tensor | None  # its gradients' projections
+    loss_precise: float | None  # the unsharded run with its attention at a higher precision (or None)
+    sketch_precise: torch.Tensor | None  # its gradients' projections
     calls: dict[str, list[tuple[int, str]]]  # attention module -> (local length, group name) per call
+    interface_calls: dict[str, int]  # attention module -> calls of the registered attention function
     sharded_grads: bool  # FSDP: each rank holds a shard of the averaged gradients
 
 
@@ -129,7 +130,7 @@ def _loss_failures(mine: list[Findings], rtol: float, worst: dict) -> list[str]:
             continue
         denominator = max(abs(f.loss_reference), 1e-30)
         error = abs(f.loss - f.loss_reference) / denominator
-        noise = abs(f.loss_rounded - f.loss_reference) / denominator if f.loss_rounded is not None else 0.0
+        noise = abs(f.loss_precise - f.loss_reference) / denominator if f.loss_precise is not None else 0.0
         noise = noise if math.isfinite(noise) else 0.0
         if error >= worst["loss"]:
             worst.update(loss=error, loss_noise=noise, loss_tolerance=max(rtol, NOISE_FACTOR * noise))
@@ -150,19 +151,19 @@ def _gradient_failures(findings: list[Findings], names: list[str], rtol: float, 
                 "DeepSpeed keeps gradients elsewhere)"]
     scale = norms.clamp(min=floor)
     if findings[0].sharded_grads:
-        pairs = [(f.sketch, f.sketch_reference, f.sketch_rounded, f.norms_reference.clamp(min=floor))
+        pairs = [(f.sketch, f.sketch_reference, f.sketch_precise, f.norms_reference.clamp(min=floor))
                  for f in findings]
     else:  # projections are linear: the mean projection is the projection of the mean gradient
         expected = _mean([f.sketch_reference for f in findings])
-        rounded = _mean([f.sketch_rounded for f in findings])
-        pairs = [(f.sketch, expected, rounded, scale) for f in findings]
+        precise = _mean([f.sketch_precise for f in findings])
+        pairs = [(f.sketch, expected, precise, scale) for f in findings]
         worst["scale"], worst["scaled"] = _common_factor(torch.stack([f.sketch for f in findings]).mean(0),
                                                          expected)
-    for sketch, sketch_ref, sketch_rounded, bound_scale in pairs:
+    for sketch, sketch_ref, sketch_precise, bound_scale in pairs:
         errors = ((sketch - sketch_ref).square().mean(-1).sqrt() / bound_scale).nan_to_num(nan=math.inf)
         noise = torch.zeros_like(errors)
-        if sketch_rounded is not None:
-            changes = (sketch_rounded - sketch_ref).square().mean(-1).sqrt() / bound_scale
+        if sketch_precise is not None:
+            changes = (sketch_precise - sketch_ref).square().mean(-1).sqrt() / bound_scale
             noise = _kind_noise(changes.nan_to_num(nan=0.0), names)
         tolerance = (NOISE_FACTOR * noise).clamp(min=rtol)
         excess = errors / tolerance
@@ -223,30 +224,32 @@ def _note_kinds(kinds: dict, names: list[str], errors: torch.Tensor, tolerance: 
 
 
 def _mechanism_failures(members: list[Findings], length: int) -> list[str]:
-    """Every attention layer ran the distributed attention once, over the group, on the shard's length."""
+    """Every call an attention module made of the registered attention function ran the distributed
+    attention once, over the group, on the shard's length."""
     failures = []
     local = math.ceil(length / len(members[0].group))
     for f in members:
         if not f.calls:
             failures.append(f"rank {f.rank}: the model has no attention module (class name ending in "
                             "'Attention') to check")
-        counts = {name: len(calls) for name, calls in f.calls.items()}
-        missing = [name for name, n in counts.items() if n == 0]
+        missing = [name for name, calls in f.calls.items() if not calls]
         if missing:
-            off = "sequence parallelism is off" if len(missing) == len(counts) else "attention ran unsharded"
+            off = "sequence parallelism is off" if len(missing) == len(f.calls) else "attention ran unsharded"
             failures.append(
-                f"rank {f.rank}: {off}: {len(missing)} of {len(counts)} attention layers ({missing[0]}"
+                f"rank {f.rank}: {off}: {len(missing)} of {len(f.calls)} attention layers ({missing[0]}"
                 f"{', ...' if len(missing) > 1 else ''}) did not run the distributed attention (a call with "
                 "use_cache=True or past_key_values runs unsharded; another library may have replaced the "
                 "attention forward; call lightseq_hf.patch_llama(model) last)")
         for name, calls in f.calls.items():
+            expected = max(f.interface_calls.get(name, 1), 1)
             wrong = [(n, g) for n, g in calls if n != local or g != f.group_name]
-            if len(calls) > 1 or wrong:
+            if calls and (len(calls) != expected or wrong):
                 n, g = (wrong or calls)[0]
                 failures.append(
                     f"rank {f.rank}: {name} ran the distributed attention {len(calls)} time(s), on {n} "
-                    f"tokens over group {g!r}; expected once, on {local} tokens (the shard of {length}) over "
-                    f"this rank's sequence-parallel group {f.group_name!r} of ranks {list(f.group)}")
+                    f"tokens over group {g!r}; expected {expected} (its attention calls), on {local} tokens "
+                    f"(the shard of {length}) over this rank's sequence-parallel group {f.group_name!r} of "
+                    f"ranks {list(f.group)}")
                 break
     return failures
 
