@@ -61,9 +61,8 @@ def _batch(kind: str, rows: int, length: int, seed: int) -> dict:
         a, b = sorted(gen.sample(range(2, length - 3), 2))
         cu = torch.tensor([0, a, b, length - 2], dtype=torch.int32)  # the last 2 tokens: padding
         labels[:, length - 3:] = -100
-        positions = torch.cat([torch.arange(n) for n in (a, b - a, length - 2 - b, 2)])[None]
         batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu.clone(), max_length_q=int(cu.diff().max()),
-                     max_length_k=int(cu.diff().max()), position_ids=positions)
+                     max_length_k=int(cu.diff().max()))
     return batch
 
 

@@ -29,10 +29,10 @@ from .observe import AttentionWatch
 from .reference import (
     attention_upcast,
     batch_shape,
-    check_documents_visible,
     document_ids,
     reference_attention,
     take_prefix,
+    unpacked_documents,
     unpatched_model,
 )
 from .state import preserved_state
@@ -105,7 +105,7 @@ def check_parity(
     device = _device_of(model)
     problem = prefix = inputs = labels = None
     try:
-        prefix, inputs, labels = _prepare(batch, max_tokens, len(sp_ranks), device, attention)
+        prefix, inputs, labels = _prepare(batch, max_tokens, len(sp_ranks), device)
     except ValueError as err:  # raised on every rank after the exchange below, never on one alone
         problem = str(err)
     _check_same_groups(_gather((rank, sp_ranks, problem)))
@@ -119,7 +119,8 @@ def check_parity(
         dtypes = [c.dtype for found in watch.calls.values() for c in found]
         floats = [p.dtype for p in params if p.is_floating_point()]
         dtype = dtypes[0] if dtypes else (floats or [torch.float32])[0]
-        reference = _reference_passes(model, target, attention, inputs, params, seed, PRECISE.get(dtype))
+        reference = _reference_passes(model, target, attention, unpacked_documents(inputs, docs) or inputs,
+                                      params, seed, PRECISE.get(dtype))
     calls = {name: [(c.local_length, c.group) for c in found] for name, found in watch.calls.items()}
     tolerance = rtol if rtol is not None else DEFAULT_RTOL.get(dtype, 1e-5)
     error, loss_ref, sketch_ref, norms_ref, loss_precise, sketch_precise = reference
@@ -141,8 +142,7 @@ def check_parity(
     return report
 
 
-def _prepare(batch: dict[str, Any], max_tokens: int | None, sp_size: int, device: torch.device,
-             attention: str):
+def _prepare(batch: dict[str, Any], max_tokens: int | None, sp_size: int, device: torch.device):
     """(prefix, inputs on ``device``, which labels) of the batch, or ValueError naming what is wrong."""
     rows, length = batch_shape(batch)
     if length < 2:
@@ -151,7 +151,6 @@ def _prepare(batch: dict[str, Any], max_tokens: int | None, sp_size: int, device
     prefix = take_prefix(batch, max_tokens or default_max_tokens(rows, length, sp_size),
                          min(length, MIN_TOKENS_PER_RANK * sp_size))
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prefix.batch.items()}
-    check_documents_visible(inputs, attention, prefix.rows, prefix.length)
     return prefix, inputs, _label_tokens(inputs, prefix.tokens)
 
 

@@ -8,7 +8,7 @@ soft-capping, sinks, chunked layers, the model's own position ids and masks, and
 function are what the model itself computes, and a bug in the patch is seen as a difference.
 :func:`attention_upcast` gives the same attention with less rounding (the yardstick of the check's
 tolerance). The documents of each row are read again from the inputs (:func:`document_ids`) for
-the report and to refuse documents the model's own attention cannot see.
+the report and to give the model each packed document alone (:func:`unpacked_documents`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ..checkpoint import as_hf, hf_checkpoint_parts
 from ..patches.state import ATTN_IMPLEMENTATION, as_unpatched
 from ..patches.tiled_mlp import TiledForward
 
+IGNORE_INDEX = -100  # the label Transformers' losses skip
 #: batch entries laid out as (batch, length, ...): cut to the prefix with the rows
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels",
                  "token_type_ids")
@@ -60,10 +61,11 @@ def batch_shape(batch: dict[str, Any]) -> tuple[int, int]:
 
 
 def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> Prefix:
-    """The batch itself if it holds at most ``max_tokens`` tokens, else its first rows, ``keep`` tokens
-    each: every row at ``max_tokens // rows`` tokens when that is at least ``min_length``, else fewer rows.
-    A row's kept tokens start at its first real token (a left-padded row's first tokens are padding), at
-    most ``keep`` before its end; rows packed with ``cu_seq_lens_q/k`` keep their first tokens."""
+    """The batch itself if it holds at most ``max_tokens`` tokens, else rows of ``keep`` tokens each: every
+    row at ``max_tokens // rows`` tokens when that is at least ``min_length``, else fewer rows, those with
+    real tokens first. A row's kept tokens start at its first real token (a left-padded row's first
+    tokens are padding), at most ``keep`` before its end; rows packed with ``cu_seq_lens_q/k`` keep their
+    first tokens."""
     rows, length = batch_shape(batch)
     if rows * length <= max_tokens:
         return Prefix(dict(batch), rows, length, rows, length)
@@ -74,12 +76,12 @@ def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> Pref
         raise ValueError(
             f"the parity check cannot cut a batch of {rows} rows packed with cu_seq_lens_q/k to {max_tokens} "
             "tokens; raise max_tokens to the batch's size or pass one packed row.")
-    starts = None if packed else _first_real_tokens(batch.get("attention_mask"), rows, length, keep)
+    order, starts = _kept_rows(None if packed else batch.get("attention_mask"), rows, length, keep)
     cut = {}
     for key, value in batch.items():
         if key in SEQUENCE_KEYS and torch.is_tensor(value):
             if value.dim() >= 1 and value.shape[-1 if value.dim() == 1 else 1] == length:
-                value = _cut_rows(value, rows, length, keep_rows, keep, starts)
+                value = _cut_rows(value, rows, order[:keep_rows], keep, starts)
         elif key in CU_KEYS and value is not None:
             value = _clip_cumulative(value, keep)
         elif key in ("max_length_q", "max_length_k") and batch.get("cu_seq_lens_q") is not None:
@@ -88,25 +90,25 @@ def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> Pref
     return Prefix(cut, keep_rows, keep, rows, length)
 
 
-def _first_real_tokens(mask: Any, rows: int, length: int, keep: int) -> torch.Tensor | None:
-    """Per row, where its ``keep`` checked tokens start: its first unmasked token, at most ``length -
-    keep``; None when every row starts at 0."""
+def _kept_rows(mask: Any, rows: int, length: int, keep: int) -> tuple[list[int], list[int]]:
+    """The rows in the order the prefix takes them (those with a real token first) and, per row, where its
+    ``keep`` checked tokens start: its first unmasked token, at most ``length - keep``."""
     if not torch.is_tensor(mask) or mask.dim() != 2 or tuple(mask.shape) != (rows, length):
-        return None
+        return list(range(rows)), [0] * rows
     real = mask.detach().cpu() != 0
+    some = real.any(-1).tolist()
+    order = [r for r in range(rows) if some[r]] + [r for r in range(rows) if not some[r]]
     starts = torch.where(real.any(-1), real.int().argmax(-1), 0).clamp(max=length - keep)
-    return starts if bool(starts.any()) else None
+    return order, starts.tolist()
 
 
-def _cut_rows(value: torch.Tensor, rows: int, length: int, keep_rows: int, keep: int,
-              starts: torch.Tensor | None) -> torch.Tensor:
-    """``value`` ((length,), (rows or 1, length, ...)) cut to the kept rows and each row's window."""
-    if starts is None:
-        if value.dim() == 1:
-            return value[:keep]
-        return value[:keep_rows, :keep] if value.shape[0] == rows else value[:, :keep]
-    full = value.expand(rows, length) if value.dim() == 1 else value.expand(rows, *value.shape[1:])
-    return torch.stack([full[r, int(starts[r]):int(starts[r]) + keep] for r in range(keep_rows)])
+def _cut_rows(value: torch.Tensor, rows: int, kept: list[int], keep: int, starts: list[int]) -> torch.Tensor:
+    """``value`` ((length,) or (rows or 1, length, ...)) cut to the ``kept`` rows, each from its start."""
+    if value.dim() == 1:
+        value = value[None]
+    if value.shape[0] != rows:  # one row for all (position ids)
+        value = value.expand(rows, *value.shape[1:])
+    return torch.stack([value[r, starts[r]:starts[r] + keep] for r in kept])
 
 
 def _clip_cumulative(cu: torch.Tensor, length: int) -> torch.Tensor:
@@ -142,31 +144,52 @@ def document_ids(batch: dict[str, Any], rows: int, length: int, device: torch.de
 
 
 def reference_attention(target: torch.nn.Module) -> str:
-    """The attention implementation ``target`` (a patched model) had before the patch; Transformers'
-    default (``"sdpa"`` where the model supports it, else ``"eager"``) for a model built with ours."""
-    name = target.__dict__.get("_lightseq_fallback_attn")
+    """The attention implementation ``target`` (a patched model) had before the patch (its config's, when
+    the patch has not run a forward of it yet); Transformers' default (``"sdpa"`` where the model supports
+    it, else ``"eager"``) for a model built with ours."""
+    name = target.__dict__.get("_lightseq_fallback_attn") or target.config._attn_implementation
     if name is None or name == ATTN_IMPLEMENTATION:
         name = "sdpa" if getattr(target, "_supports_sdpa", False) else "eager"
     return name
 
 
-def check_documents_visible(batch: dict[str, Any], attention: str, rows: int, length: int) -> None:
-    """ValueError when documents are marked by ``cu_seq_lens_q/k`` alone and ``attention`` (not a
-    flash-attention implementation) does not read them: the unpatched model would attend across them."""
-    cu = batch.get("cu_seq_lens_q")
-    if cu is None or "flash" in attention:
-        return
-    cpu = torch.device("cpu")
-    with_cu = document_ids(batch, rows, length, cpu)
-    without = document_ids({k: v for k, v in batch.items() if k not in CU_KEYS}, rows, length, cpu)
-    inside = (torch.arange(rows * length) < int(cu[-1])).reshape(rows, length)
-    pairs = inside[:, 1:] & inside[:, :-1]
-    if bool(((with_cu[:, 1:] == with_cu[:, :-1]) != (without[:, 1:] == without[:, :-1]))[pairs].any()):
-        raise ValueError(
-            f"the parity check's reference is the unpatched model, and its attention implementation "
-            f"{attention!r} does not read cu_seq_lens_q/k, which alone separate this batch's documents; pass "
-            "position_ids that restart at each document with them (DataCollatorWithFlattening and TRL's "
-            "padding_free do), or load the model with a flash-attention implementation.")
+def unpacked_documents(batch: dict[str, Any], docs: torch.Tensor) -> dict[str, Any] | None:
+    """The batch with every document of its packed rows (restarting ``position_ids``, ``cu_seq_lens_q/k``)
+    as a row of its own, or None when no row holds more than one document. Models differ in whether
+    their own masks separate packed documents (most read restarting ``position_ids``; gpt-oss, AFMoE and
+    OPT do not; none but flash attention reads ``cu_seq_lens``), so the reference gives the unpatched
+    model each document alone: its tokens, position ids, and the labels the packed row gives them (next
+    tokens across a document's end included), right-padded with one more padding column (the last
+    token's label) and an attention mask. ``docs``: :func:`document_ids` of the batch."""
+    docs = docs.detach().cpu()
+    rows, length = docs.shape
+    pieces = [(r, (docs[r] == d).nonzero().flatten()) for r in range(rows)
+              for d in docs[r][docs[r] >= 0].unique()]
+    if len(pieces) <= sum(bool((row >= 0).any()) for row in docs):
+        return None
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    full = ids if ids is not None else embeds
+    positions = batch.get("position_ids")
+    positions = (torch.arange(length, device=full.device).expand(rows, length) if positions is None
+                 else positions.reshape(-1, length).expand(rows, length))
+    shifted = batch.get("shift_labels")
+    if shifted is None:
+        shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+    width = max(len(index) for _, index in pieces) + 1
+    out = {"attention_mask": torch.zeros(len(pieces), width, dtype=torch.long, device=full.device),
+           "position_ids": torch.zeros(len(pieces), width, dtype=positions.dtype, device=full.device),
+           "labels": torch.full((len(pieces), width), IGNORE_INDEX, dtype=shifted.dtype, device=full.device)}
+    rows_of = torch.zeros(len(pieces), width, *full.shape[2:], dtype=full.dtype, device=full.device)
+    for i, (r, index) in enumerate(pieces):
+        n, where = len(index), index.to(full.device)
+        rows_of[i, :n] = full[r, where]
+        out["attention_mask"][i, :n] = 1
+        out["position_ids"][i, :n] = positions[r, where]
+        out["labels"][i, 1:n + 1] = shifted[r, where]
+    out["input_ids" if ids is not None else "inputs_embeds"] = rows_of
+    dropped = (*SEQUENCE_KEYS, *CU_KEYS, "max_length_q", "max_length_k")
+    kept = {k: v for k, v in batch.items() if k not in dropped}
+    return {**kept, **out}
 
 
 def _transformers_checkpoint(func):

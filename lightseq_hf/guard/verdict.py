@@ -59,9 +59,9 @@ def verdict(findings: list[Findings], prefix, rtol: float, names: list[str],
              "tolerance": rtol, "noise": 0.0, "sync": 0.0, "parameter": None, "layers": set(), "scale": 1.0}
     for members in sorted({f.group for f in findings}):
         mine = [f for f in findings if f.group == members]
-        failures += _mechanism_failures(mine, prefix.length)
-        failures += _unsynced_failures(mine, names, rtol, worst)
-        failures += _loss_failures(mine, rtol, worst)
+        not_finite = _loss_failures(mine, rtol, worst)  # then the gradients compare with nothing either
+        failures += _mechanism_failures(mine, prefix.length) + not_finite
+        failures += [] if not_finite else _unsynced_failures(mine, names, rtol, worst)
     if not failures:
         failures += _gradient_failures(findings, names, rtol, worst)
     reference = f"the unpatched model's (attention {attention!r})"
