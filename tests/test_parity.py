@@ -347,7 +347,7 @@ def test_parity_check(world, checks):
 
 
 def test_single_process_and_bad_input():
-    """Without torch.distributed the check compares the world-1 kernels with the dense reference; an
+    """Without torch.distributed the check compares the world-1 kernels with the unpatched model; an
     unpatched model and a batch without tokens are refused with one line; the config section."""
     import transformers
 

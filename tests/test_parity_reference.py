@@ -4,11 +4,11 @@
   group of 2 gloo processes, a tiny random model of each type): a packed row with right padding (the
   reference gives the model each document alone) and plain rows with right padding (the reference runs
   them as they are).
-* Correct runs that a reference of our own attention stopped pass, on 2 and 3 processes: Gemma 2
-  soft-capping (at 2.0, and at Gemma 2's 50 with small weights), gpt-oss sinks, Llama 4 chunked layers,
-  packed Gemma 2 and gpt-oss, PhiMoE's sampled routing and OPT's functional dropout in training mode, a
-  left-padded batch whose first row begins with a prefix of padding, a user's own registered attention
-  function that the patch serves exactly.
+* Correct runs that a reference built on the patch's own attention would stop pass, on 2 and 3
+  processes: Gemma 2 soft-capping (at 2.0, and at Gemma 2's 50 with small weights), gpt-oss sinks, Llama
+  4 chunked layers, packed Gemma 2 and gpt-oss, PhiMoE's sampled routing and OPT's functional dropout in
+  training mode, a left-padded batch whose first row begins with a prefix of padding, a user's own
+  registered attention function that the patch serves exactly.
 * Wrong runs fail on every rank with one line naming what: soft-capping dropped or the loss scaled by
   the patch (bugs a reference built from the patch's own forward shares), OPT with left padding wherever
   the patched model differs from the unpatched one, a user's attention function replaced by the

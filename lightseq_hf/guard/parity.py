@@ -230,8 +230,9 @@ def _check_reference_ran(findings: list[tuple[str | None, Findings]], attention:
     failed = [(f.rank, error) for error, f in findings if error]
     if failed:
         rank, error = failed[0]
-        raise ParityError(f"lightseq_hf parity check failed: rank {rank}: the unsharded reference (the "
-                          f"unpatched model, attention {attention!r}) raised {error}", {"passed": False})
+        raise ParityError(f"lightseq_hf parity check failed: rank {rank}: the check's reference run raised "
+                          f"{error} (the unpatched model, attention {attention!r}, whole rows on one rank)",
+                          {"passed": False})
 
 
 def _windows(target: torch.nn.Module) -> list[int]:
