@@ -57,7 +57,7 @@ __all__ = ["DEFAULT_RTOL", "ParityError", "check_parity", "default_max_tokens", 
 
 
 class ParityError(RuntimeError):
-    """The sequence-parallel run differs from the unsharded one (one-line message; ``.report``)."""
+    """The sequence-parallel run differs from the unpatched model's (one-line message; ``.report``)."""
 
     def __init__(self, message: str, report: dict[str, Any]) -> None:
         super().__init__(message)

@@ -230,8 +230,9 @@ def _eager_of(module: torch.nn.Module):
     """The eager attention function of ``module``'s modeling file."""
     found = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if found is None:
-        raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward beside it; the parity check"
-                           " cannot run its attention at a higher precision. Pass rtol to check_parity.")
+        raise RuntimeError(f"{type(module).__name__}: no eager_attention_forward beside it, so the parity "
+                           "check cannot run its eager attention at a higher precision; load the model with "
+                           "attn_implementation='sdpa'.")
     return found
 
 
