@@ -12,7 +12,8 @@
 * Wrong runs fail on every rank with one line naming what: soft-capping dropped or the loss scaled by
   the patch (bugs a reference built from the patch's own forward shares), OPT with left padding wherever
   the patched model differs from the unpatched one, a user's attention function replaced by the
-  patch's, a gradient sync that sums (2x gradients), groups of one rank under a launch of several.
+  patch's, a gradient sync that sums (2x gradients), groups of one rank under a launch of several; on 4
+  processes (2 data-parallel groups of 2), a sync that leaves the data-parallel groups apart.
 * A Trainer with ``ParityCallback`` on a correct left-padded dataset trains; a Gemma 2 fine-tune through
   ``lightseq-finetune`` (parity on by default) passes its first step.
 * An unsplit launch (``WORLD_SIZE`` > 1, no process group) is refused by ``patch(model)``, a patched
@@ -279,6 +280,39 @@ def _cases_worker(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_correct_runs_pass_and_wrong_runs_fail(world):
     failures = [f for result in run_distributed(_cases_worker, world) for f in result]
+    assert not failures, "\n".join(failures)
+
+
+def _data_parallel_worker(rank: int, world: int) -> list[str]:
+    """2 data-parallel x 2 sequence-parallel ranks, each data-parallel group its own rows: DDP's average
+    over all ranks passes; a sync over the sequence-parallel group only (the data-parallel replicas then
+    drift apart) fails."""
+    import logging
+
+    from tiny_models import make_tiny
+
+    import lightseq_hf
+
+    logging.getLogger("lightseq_hf").setLevel(logging.ERROR)
+    groups = lightseq_hf.init_sequence_parallel(2)
+    batch = _padded_rows(seed=10 + groups.dp_rank)
+    failures = []
+    model = lightseq_hf.patch(make_tiny("llama")).train()
+    report = _check(torch.nn.parallel.DistributedDataParallel(model), batch, sync=None)
+    if report["gradient_sync"] != "ddp" or report["sp_size"] != 2:
+        failures.append(f"rank {rank}: DDP report {report}")
+    try:
+        _check(model, batch, sync=lambda m: lightseq_hf.sync_gradients(m, group=groups.sp_group))
+        failures.append(f"rank {rank}: a sync over the sequence-parallel group only was not caught")
+    except lightseq_hf.ParityError as err:
+        if "differs from the unpatched model's" not in str(err):
+            failures.append(f"rank {rank}: {err}")
+    lightseq_hf.unpatch()
+    return failures
+
+
+def test_data_parallel_groups_compare_with_the_mean_over_all_ranks():
+    failures = [f for result in run_distributed(_data_parallel_worker, 4) for f in result]
     assert not failures, "\n".join(failures)
 
 
