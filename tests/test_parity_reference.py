@@ -408,6 +408,9 @@ def test_unsplit_launch_is_refused(monkeypatch):
         lightseq_hf.patch(make_tiny("llama"))
     with pytest.raises(RuntimeError, match="init_sequence_parallel: " + fix):
         lightseq_hf.init_sequence_parallel()
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="lightseq_hf.dist_flash_attn: " + fix):
+        lightseq_hf.dist_flash_attn(q, q, q)
     lightseq_hf.patch()  # the classes: the Trainer creates the process group before the first forward
     try:
         model = make_tiny("llama")
