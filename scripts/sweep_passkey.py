@@ -29,8 +29,7 @@ def run(rep: int, lr: float, bs: int, layers: int, filler: str, steps: int = 400
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=n,
-                      rope_theta=1e6)
-    cfg._attn_implementation = "sdpa"
+                      rope_theta=1e6, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to(device)
     spec = PasskeySpec(n, 256, 16, 1, 0.5, seed=1234, filler=filler, needle_repeat=rep)
     held = PasskeySpec(n, 256, 16, 1, 0.5, seed=1234 + 1_000_000, filler=filler, needle_repeat=rep)
