@@ -11,6 +11,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,11 @@ SMOKE = {
     "support_table.py": f"{HERE}::test_support_table_for_two_model_types",
     "sweep_passkey.py": f"{HERE}::test_sweep_passkey_first_configuration",
 }
+#: scripts with no GPU path of their own (tools that read results, compile without a GPU, or run on gloo)
+CPU_ONLY = {"check_clean_exit.py", "check_triton_compile.py", "finetune_report.py", "fit_tile_cost.py",
+            "gen_config_reference.py", "plot_headline.py", "schedule_table.py", "support_table.py"}
+#: scripts whose GPU path a GPU test other than tests/gpu/test_scripts_gpu.py runs
+GPU_ELSEWHERE = {"finetune.py": "tests/gpu/test_finetune_gpu.py"}
 
 
 def load_script(name: str):
@@ -81,6 +87,47 @@ def test_every_script_has_a_cpu_smoke_test():
         tree = ast.parse((ROOT / path).read_text())
         defined = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert function in defined, f"{script}: {where} does not exist"
+
+
+def test_every_script_with_a_gpu_path_has_a_gpu_run():
+    """tests/gpu/test_scripts_gpu.py runs each GPU path (its runs: tests/gpu/script_runs.py)."""
+    runs = {run.script for run in gpu_script_runs()}
+    assert runs.isdisjoint(CPU_ONLY | set(GPU_ELSEWHERE))
+    assert runs | CPU_ONLY | set(GPU_ELSEWHERE) == set(SMOKE), sorted(set(SMOKE) - runs - CPU_ONLY)
+    assert all((ROOT / path).is_file() for path in GPU_ELSEWHERE.values())
+
+
+def gpu_script_runs() -> tuple:
+    """The runs of tests/gpu/script_runs.py (that folder is not on the CPU suite's path)."""
+    spec = importlib.util.spec_from_file_location("script_runs", ROOT / "tests" / "gpu" / "script_runs.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("script_runs", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.RUNS
+
+
+def test_run_gpu_tests_dry_run_keeps_the_environment_and_logs(tmp_path):
+    """scripts/run_gpu_tests.sh --dry-run: the caller's PYTHONPATH extended, multicast off, every GPU
+    test module collected, and what this machine cannot run listed as skipped with the reason."""
+    import torch
+
+    log = tmp_path / "gpu-tests.log"
+    env = dict(cpu_env(), PYTHONPATH="/caller/site", PYTHON=sys.executable, NCCL_NVLS_ENABLE="1")
+    proc = subprocess.run(["bash", "scripts/run_gpu_tests.sh", "--dry-run", "--log", str(log)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    text = log.read_text()
+    assert text == proc.stdout
+    assert f"PYTHONPATH={ROOT}:/caller/site" in text and "CUDA_VISIBLE_DEVICES=\n" in text
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        assert f"\n{name}={value}\n" in text
+    assert "0 CUDA GPUs" in text and f"torch {torch.__version__}" in text
+    assert "-m pytest tests/gpu -v -rs" in text and "--collect-only" in text
+    for module in (ROOT / "tests" / "gpu").glob("test_*.py"):
+        skipped = rf"SKIPPED \[1\] tests/gpu/{module.name}:\d+: needs (a CUDA GPU|2 CUDA GPUs)"
+        assert re.search(skipped, text), module.name
+    assert text.rstrip().endswith(f"exit 0; log: {log}")
 
 
 # ----------------------------------------------------------------------------- distributed attention

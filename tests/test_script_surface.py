@@ -512,6 +512,15 @@ def _tiny_config():
     return load_config(ROOT / "configs" / "tiny.yaml", ["output_dir=/nonexistent"])
 
 
+def test_gpu_script_runs_pass_options_that_exist():
+    """The argument lists tests/gpu/test_scripts_gpu.py starts the scripts with."""
+    from test_script_smoke import gpu_script_runs
+
+    problems = [f"{run.script} {arg}" for run in gpu_script_runs() for arg in run.args
+                if arg.startswith("--") and arg not in script_options(run.script)]
+    assert not problems, problems
+
+
 def test_shell_check_finds_what_does_not_exist():
     text = """train() { local limit=$1; shift
   run timeout "$limit" torchrun scripts/bench_train.py --out "$out" "$@" 2>&1 | cut -c1-400; }
