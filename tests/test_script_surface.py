@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 import shlex
 from dataclasses import dataclass, fields, is_dataclass
