@@ -6,7 +6,8 @@ Launch with torchrun, one process per GPU (multicast off on shared machines)::
         torchrun --nproc_per_node 2 scripts/bench_dist_attn.py --out benchmarks/results
 
 Rows (bf16, causal, head dim 128, batch 1): ours (balanced schedule, overlapped transfers)
-with each local kernel; ablations (ring schedule, serial transfers, compute only); torch
+with each local kernel, and the pipelined schedule (its last step in two halves); ablations
+(ring schedule, serial transfers, compute only); torch
 context parallel (ring attention over SDPA, head-tail load balancing) with both rotate
 methods; one GPU computing the whole sequence. Times are medians of the slowest rank.
 
@@ -72,6 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace-seq", type=int, default=65536, help="total length of the traced run")
     p.add_argument("--trace-backend", default=None, help="local kernel of the traced run (default: the "
                                                           "first of --backends)")
+    p.add_argument("--trace-schedules", default="balanced",
+                   help="schedules of the traced runs, comma separated (one trace each)")
     p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
     p.add_argument("--replay", action="store_true",
                    help="also time each rank's own tasks of the balanced schedule through the local kernel "
@@ -235,7 +238,7 @@ def record_per_rank(record, row: dict, measure) -> None:
 
 def ablation_variants(main_config: bool, no_ablations: bool) -> list[tuple[str, str, str]]:
     """(row name, schedule, transfer mode) of ours and, on the main head layout, its ablations."""
-    variants = [("ours", "balanced", "overlap")]
+    variants = [("ours", "balanced", "overlap"), ("pipelined", "pipelined", "overlap")]
     if main_config and not no_ablations:
         variants += [("ring", "ring", "overlap"), ("paper", "paper", "overlap"),
                      ("no_overlap", "balanced", "serial")]
@@ -307,7 +310,8 @@ def bench_length(args, n: int, heads: str, world: int, solo_group, record, devic
     base = {"seq": n, "heads": h, "kv_heads": hk}
     bench_ours(args, (q, k, v, dout), base, world, reps, record)
     if args.trace and n == args.trace_seq and hk == h:
-        write_trace(q, k, v, dout, args.trace_backend, Path(args.out), rank, n)
+        for schedule in args.trace_schedules.split(","):
+            write_trace(q, k, v, dout, args.trace_backend, schedule, Path(args.out), rank, n)
     del q, k, v, dout
     free_memory(device)
     bench_peers(args, base, world, reps, solo_group, record, device)
@@ -367,18 +371,19 @@ def main(argv=None) -> Path | None:
     return out_path
 
 
-def write_trace(q, k, v, dout, backend, out_dir, rank, n):
+def write_trace(q, k, v, dout, backend, schedule, out_dir, rank, n):
     """A profiler trace (gzipped Chrome JSON) of one forward+backward of ours on this rank."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn = make_ours(q, k, v, dout, backend, "balanced", True)
+    fn = make_ours(q, k, v, dout, backend, schedule, True)
     fn()
     synchronize(q.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
     with profile(activities=activities) as prof:
         fn()
         synchronize(q.device)
-    prof.export_chrome_trace(str(out_dir / f"trace-dist-{n // 1024}k-{backend}-rank{rank}.json.gz"))
+    name = f"trace-dist-{n // 1024}k-{backend}-{schedule}-rank{rank}.json.gz"
+    prof.export_chrome_trace(str(out_dir / name))
 
 
 def _per_rank(rows, **match) -> list[float] | None:
@@ -413,6 +418,13 @@ def summarize(rows, world) -> dict:
             entry["vs_torch_cp_triton"] = min(cps) / ours_triton
         if ours and compute:
             entry["comm_overhead"] = ours / compute - 1
+        pipelined = find(rows, "ms", impl="pipelined_sdpa_cudnn", **m)
+        if pipelined and cps:
+            entry["vs_torch_cp_pipelined"] = min(cps) / pipelined
+        if pipelined and single:
+            entry["efficiency_pipelined"] = single / (world * pipelined)
+        if pipelined and compute:  # against the balanced schedule's compute (the same blocks, one step fewer)
+            entry["comm_overhead_pipelined"] = pipelined / compute - 1
         busy = _per_rank(rows, impl="compute_only_sdpa_cudnn", **m)
         if busy:
             entry["compute_spread"] = max(busy) / min(busy) - 1

@@ -188,7 +188,8 @@ def dist_flash_attn(
     backend). Returns this rank's output shard ``(batch, local_seq, heads, value_dim)`` in ``q.dtype`` and,
     with ``return_lse``, its log-sum-exp ``(batch, heads, local_seq)`` (float32). Without an initialized
     process group, or with a group of one, it is plain attention on the local tensors. Gradients flow to
-    q, k and v (and through the lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
+    q, k and v (and through the lse). ``schedule`` is ``"balanced"`` (default), ``"pipelined"`` (balanced, its
+    last step in two halves so the returned results overlap compute), ``"paper"`` or ``"ring"``;
     ``backend`` is ``"auto"`` (the measured-fastest backend that takes the call, see
     ``kernels.autoselect``), ``"reference"``, ``"triton"``, ``"sdpa"`` or ``"flash_varlen"``; a backend
     that cannot take the call is refused, naming what it lacks. ``check_shapes=False`` skips the
