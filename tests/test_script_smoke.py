@@ -36,15 +36,19 @@ SMOKE = {
     "finetune_report.py": f"{HERE}::test_bench_train_then_finetune_report",
     "fit_tile_cost.py": f"{HERE}::test_replay_packed_then_fit_tile_cost",
     "gen_config_reference.py": "tests/test_docs.py::test_config_reference_is_generated_from_the_schema",
+    "maxctx_ladder.py": "tests/test_maxctx_ladder.py::test_runner_start_poll_on_two_cpu_processes",
     "plot_headline.py": f"{HERE}::test_plot_headline_draws_the_figure",
     "replay_packed.py": f"{HERE}::test_replay_packed_then_fit_tile_cost",
     "schedule_table.py": "tests/test_docs.py::test_design_schedule_table_is_the_scripts_output",
     "support_table.py": f"{HERE}::test_support_table_for_two_model_types",
     "sweep_passkey.py": f"{HERE}::test_sweep_passkey_first_configuration",
+    "trace_exposure.py": "tests/test_trace_exposure.py::test_breakdown_of_a_known_timeline",
 }
-#: scripts with no GPU path of their own (tools that read results, compile without a GPU, or run on gloo)
+#: scripts with no GPU path of their own: tools that read results or traces, compile without a GPU, run on
+#: gloo, or launch another script (maxctx_ladder.py: bench_train.py's rungs)
 CPU_ONLY = {"check_clean_exit.py", "check_triton_compile.py", "finetune_report.py", "fit_tile_cost.py",
-            "gen_config_reference.py", "plot_headline.py", "schedule_table.py", "support_table.py"}
+            "gen_config_reference.py", "maxctx_ladder.py", "plot_headline.py", "schedule_table.py",
+            "support_table.py", "trace_exposure.py"}
 #: scripts whose GPU path a GPU test other than tests/gpu/test_scripts_gpu.py runs
 GPU_ELSEWHERE = {"finetune.py": "tests/gpu/test_finetune_gpu.py"}
 
@@ -136,7 +140,7 @@ def test_run_gpu_tests_dry_run_keeps_the_environment_and_logs(tmp_path):
 def worker_dist_attn(rank, world, out_dir):
     load_script("bench_dist_attn").main(
         ["--device", "cpu", "--seqs", "64,96", "--heads", "4/4,4/2", "--dim", "16", "--reps", "1", "--replay",
-         "--trace", "--trace-seq", "64", "--out", out_dir])
+         "--trace", "--trace-seq", "64", "--trace-schedules", "balanced,pipelined", "--out", out_dir])
     return []
 
 
@@ -154,10 +158,11 @@ def test_bench_dist_attn_on_two_cpu_processes(tmp_path):
     rows = {(r["seq"], r["kv_heads"], r["impl"], r.get("phase")): r for r in result["rows"]}
     for seq in (64, 96):
         for phase in ("fwd", "fwd_bwd"):
-            impls = ["ours", "compute_only", "single"] + (["ring", "paper", "no_overlap", "replay"])
+            impls = ["ours", "pipelined", "compute_only", "single", "ring", "paper", "no_overlap", "replay"]
             for impl in impls:  # the ablations and the replay on the main layout (kv heads = heads) only
                 assert rows[(seq, 4, f"{impl}_reference", phase)]["ms"] > 0
-            assert (seq, 2, "ring_reference", phase) not in rows and rows[(seq, 2, "ours_reference", phase)]
+            assert (seq, 2, "ring_reference", phase) not in rows
+            assert rows[(seq, 2, "ours_reference", phase)] and rows[(seq, 2, "pipelined_reference", phase)]
             assert rows[(seq, 4, "single_math", phase)]["ms"] > 0  # torch's SDPA on one process
             for impl in ("compute_only", "replay"):
                 assert len(rows[(seq, 4, f"{impl}_reference", phase)]["per_rank_ms"]) == 2
@@ -166,7 +171,8 @@ def test_bench_dist_attn_on_two_cpu_processes(tmp_path):
     assert set(result["summary"]) >= {"per_seq", "vs_torch_cp_min", "efficiency_64k", "comm_overhead_64k",
                                       "compute_spread_256k"}
     assert sorted(p.name for p in tmp_path.glob("trace-*")) == [
-        "trace-dist-0k-reference-rank0.json.gz", "trace-dist-0k-reference-rank1.json.gz"]
+        f"trace-dist-0k-reference-{schedule}-rank{rank}.json.gz" for schedule in ("balanced", "pipelined")
+        for rank in (0, 1)]
     assert one(tmp_path, "dist-cpu-x2-*.png").stat().st_size > 1000
 
 

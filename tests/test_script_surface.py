@@ -362,7 +362,15 @@ def _function_bodies(text: str) -> dict[str, str]:
 
 
 def _arrays(text: str) -> dict[str, list[str]]:
-    return {m.group(1): shlex.split(m.group(2)) for m in re.finditer(r"(\w+)=\(([^)]*)\)", text)}
+    """``name=(words)`` -> the words (the closing parenthesis found outside quotes and expansions)."""
+    arrays, text = {}, ShellScanner(text).text
+    for m in re.finditer(r"(\w+)=\(", text):
+        scan = ShellScanner(text)
+        scan.i, scan.stack = m.end(), ["("]
+        while scan.stack and not scan.done():
+            scan.step()
+        arrays[m.group(1)] = shlex.split(text[m.end(): scan.i - 1])
+    return arrays
 
 
 def _expand(words: list[str], arrays: dict[str, list[str]]) -> list[str]:

@@ -68,14 +68,14 @@ def check_dist_attn(result: dict, out: Path) -> None:
     assert isinstance(result["cudnn_backward_fell_back_to_flash"], bool)
     rows = {(r["kv_heads"], r["impl"], r["phase"]): r for r in result["rows"]}
     for phase in ("fwd", "fwd_bwd"):
-        for impl in ("ours", "ring", "paper", "no_overlap", "compute_only", "replay"):
+        for impl in ("ours", "pipelined", "ring", "paper", "no_overlap", "compute_only", "replay"):
             assert finite(rows[(32, f"{impl}_sdpa_cudnn", phase)]["ms"]), (impl, phase)
         for impl in ("torch_cp_allgather_cudnn", "torch_cp_alltoall_cudnn", "single_cudnn"):
             assert finite(rows[(32, impl, phase)]["ms"]) and finite(rows[(8, impl, phase)]["ms"]), impl
         assert len(rows[(32, "compute_only_sdpa_cudnn", phase)]["per_rank_ms"]) == 2
     entry = result["summary"]["per_seq"]["8192"]
     assert finite(entry["vs_torch_cp"]) and finite(entry["efficiency"]) and "comm_overhead" in entry
-    assert len(list(out.glob("trace-dist-8k-sdpa_cudnn-rank*.json.gz"))) == 2
+    assert len(list(out.glob("trace-dist-8k-sdpa_cudnn-balanced-rank*.json.gz"))) == 2
 
 
 def check_kernels(result: dict, out: Path) -> None:
