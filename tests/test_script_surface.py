@@ -135,8 +135,9 @@ def resolve(name: str) -> str | None:
         try:
             obj = importlib.import_module(".".join(parts[: i + 1]))
             continue
-        except ModuleNotFoundError:
-            pass
+        except ModuleNotFoundError as err:
+            if err.name != ".".join(parts[: i + 1]):
+                return None  # the module exists; a package it needs is not installed here
         if isinstance(obj, type) and (part in _declared_fields(obj)):
             return None  # an instance attribute the class declares; nothing below it is checked
         return f"{'.'.join(parts[:i])} has no attribute {part!r}"
