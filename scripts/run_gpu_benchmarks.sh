@@ -2,7 +2,7 @@
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
 # Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|
 #                                                  prefill|x4|x4-train|maxctx-*|all]
-#   tests        the GPU test modules
+#   tests        the GPU test modules (scripts/run_gpu_tests.sh; log OUT_DIR/gpu-tests.log)
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
 #   packed       packed rows (64K, 128K; log-normal document lengths): ours against the same tokens unpacked,
@@ -71,7 +71,7 @@ train() { local limit=$1 n=$2; shift 2
   run timeout "$limit" torchrun --nproc_per_node "$n" scripts/bench_train.py "$@" 2>&1 \
     | grep -E '^\{|Error' | cut -c1-400; }
 if [[ $part == tests || $part == all ]]; then
-  run timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -15
+  run bash scripts/run_gpu_tests.sh --log "$out/gpu-tests.log" -q 2>&1 | tail -25
 fi
 if [[ $part == dist || $part == all ]]; then
   # BACKENDS=sdpa_cudnn (default) gives the ablations too; another local kernel gets its own file

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, FinetuneConfig
+from .config import FinetuneConfig
+from .errors import ConfigError
 from .log import logger
 
 

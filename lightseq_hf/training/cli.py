@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from .config import ConfigError, FinetuneConfig, load_config
+from .config import FinetuneConfig, load_config
+from .errors import ConfigError
 from .log import install_console_handler, logger
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1

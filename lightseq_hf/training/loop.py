@@ -35,8 +35,9 @@ from .build import (
     use_fsdp_cpu_offload,
 )
 from .checkpoints import TrainState, load_resume_state, reconcile_schedule, save_checkpoint
-from .config import ConfigError, FinetuneConfig, validate
+from .config import FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer
+from .errors import ConfigError
 from .evaluation import evaluate_passkey
 from .failures import FailureBoard, PeerWatch, is_out_of_memory, out_of_memory_line, stop_for_out_of_memory
 from .guards import NonFiniteError, Progress

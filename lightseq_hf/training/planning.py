@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:

@@ -39,7 +39,7 @@ print("EXPANDABLE", any(expandable) or bool(settings.get("expandable_segments"))
 
 def _probe(env_extra: dict) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    env.update(env_extra, PYTHONPATH=str(ROOT))
+    env.update(env_extra, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -55,7 +55,8 @@ def test_workers_allocate_with_expandable_segments_unless_the_user_chose():
 
 def test_out_of_memory_is_one_line_on_every_rank():
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=str(ROOT))
+               NVSHMEM_DISABLE_NVLS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs/accelerate/1node-8gpu-fsdp.yaml"), "--num_processes", "2",
            "scripts/finetune.py", "configs/llama2-7b-32k-2gpu.yaml", "context_length=1048576",
