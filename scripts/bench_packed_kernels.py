@@ -19,6 +19,11 @@ Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table. The
 ``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K, first head
 layout), ``cudnn_fe_vs_dense_per_flop`` and ``cudnn_fe_speedup_vs_triton`` (64K, per head layout too), and
 with a stream ``stream_cudnn_fe_vs_dense_per_flop`` and builds per step.
+
+``--device cpu`` is the smoke run (float32, the host clock, Triton's interpreter: set TRITON_INTERPRET=1;
+the backends that need a GPU are left out), e.g. ``--device cpu --seqs 256 --dims 64 --heads 2/1
+--extra-dim-seq "" --flex-seqs "" --median 32 --max-doc 128``; the stream runs there on backends that take
+CPU tensors.
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from benchlib.exactness import rel_err  # noqa: E402
-from benchlib.results import device_slug, today, version  # noqa: E402
-from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops  # noqa: E402
+from benchlib.results import device_name, device_slug, today, version  # noqa: E402
+from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops, timed  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402
 
 from lightseq_hf.kernels import cudnn_fe, flash_varlen, kernel_named  # noqa: E402
@@ -67,12 +72,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stream-worlds", default="1,2", help="ring sizes whose tasks the stream replays")
     p.add_argument("--stream-backends", default="cudnn_fe,triton")
     p.add_argument("--tag", default="", help="suffix of the results file name")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run (stream only)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke run")
     p.add_argument("--out", default="benchmarks/results")
     return p.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- the table
+
+
+def wall_and_gpu_ms(run, dev) -> tuple[float, float | None]:
+    """Wall ms (CUDA events; the host clock on the CPU) and the kernels' own ms (None on the CPU)."""
+    if dev.type != "cuda":
+        return timed(run, 2, dev, collective=False), None
+    return adaptive_event_ms(run), kernel_ms(run)
 
 
 def packed_runners(seg, q, k, v, dout, scale, seq, args):
@@ -95,7 +107,7 @@ def packed_runners(seg, q, k, v, dout, scale, seq, args):
             *key_ranges(seg, causal=True, device=dev), 0, n))
     if "flash_varlen" in wanted and flash_varlen.usable(dev):
         runners["flash_varlen"] = kernel_pair("flash_varlen", doc_blocks=blocks)
-    if cudnn_fe.unavailable_reason() is None and q.shape[-1] <= 128:
+    if dev.type == "cuda" and cudnn_fe.unavailable_reason() is None and q.shape[-1] <= 128:
         if "cudnn_fe" in wanted:
             runners["cudnn_fe"] = kernel_pair("cudnn_fe", doc_blocks=blocks)
         if "cudnn_fe_raw" in wanted:
@@ -160,7 +172,7 @@ def dense_runner(q, k, v, dout, scale):
     def make(kk, vv, gqa):
         def run():
             qt.grad = kk.grad = vv.grad = None
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if q.is_cuda else SDPBackend.MATH):
                 out = F.scaled_dot_product_attention(qt, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
             out.backward(dt)
         return run
@@ -182,10 +194,11 @@ def row_tensors(seq, h, hk, d, device, dtype, seed):
 
 
 def bench_row(seq, d, h, hk, args, t0) -> dict:
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     docs = lognormal_docs(seq, median=args.median, sigma=args.sigma, max_len=args.max_doc, seed=1000 + seq)
     seg = Segments(seq, (docs,))
-    q, k, v, dout = row_tensors(seq, h, hk, d, dev, torch.bfloat16, seq + d)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    q, k, v, dout = row_tensors(seq, h, hk, d, dev, dtype, seq + d)
     scale = d ** -0.5
     pairs = sum((b - a) * (b - a + 1) // 2 for a, b in docs)
     flops = pair_flops(h, d, pairs, with_bwd=True)
@@ -200,7 +213,7 @@ def bench_row(seq, d, h, hk, args, t0) -> dict:
                 ref = (out.float(), dq.float())
             row["rel_err"][name] = [rel_err(x, r) for x, r in zip((out, dq), ref)]
             del out, dq
-            ms, gpu_ms = adaptive_event_ms(run), kernel_ms(run)
+            ms, gpu_ms = wall_and_gpu_ms(run, dev)
             row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gpu_ms": gpu_ms}
         except Exception as e:  # a backend may refuse a shape: recorded, the table goes on
             row["fwd_bwd"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -208,9 +221,9 @@ def bench_row(seq, d, h, hk, args, t0) -> dict:
               flush=True)
         torch.cuda.empty_cache()
     run, gqa = dense_runner(q, k, v, dout, scale)
-    ms = adaptive_event_ms(run)
+    ms, dense_gpu_ms = wall_and_gpu_ms(run, dev)
     row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa,
-                          "gpu_ms": kernel_ms(run)}
+                          "gpu_ms": dense_gpu_ms}
     print(f"  {seq // 1024}K {h}/{hk} d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
     return add_ratios(row, flops, dense_flops)
 
@@ -387,11 +400,13 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     args.flex_seqs = {int(x) for x in args.flex_seqs.split(",") if x}
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    name = device_name(device)
+    cuda = device.type == "cuda"
     res = {"device": name, "date": today(),
            "versions": {package: version(package) for package in ("torch", "triton", "cuda", "cudnn")},
-           "config": {"dtype": "bfloat16", "batch": 1, "heads": args.heads, "median": args.median,
-                      "sigma": args.sigma, "max_doc": args.max_doc, "timing": "CUDA events, median",
+           "config": {"dtype": "bfloat16" if cuda else "float32", "batch": 1, "heads": args.heads,
+                      "median": args.median, "sigma": args.sigma, "max_doc": args.max_doc,
+                      "timing": "CUDA events, median" if cuda else "host clock, median",
                       "flops": "useful pairs x 4*heads*dim, fwd+bwd 3.5x"},
            "cudnn_fe": {"unavailable": cudnn_fe.unavailable_reason()}, "rows": []}
     res["versions"]["nvidia-cudnn-frontend"] = version("nvidia-cudnn-frontend")
@@ -400,7 +415,7 @@ def main(argv=None) -> None:
     path = Path(args.out) / f"packed-kernels-{device_slug(name, short=True)}-{res['date']}{args.tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    for seq, d, h, hk in (table_plan(args) if device.type == "cuda" else []):
+    for seq, d, h, hk in table_plan(args):
         if time.time() - t0 > args.budget_s:
             print(f"budget spent: {seq} {h}/{hk} d{d} skipped", flush=True)
             continue
@@ -409,10 +424,10 @@ def main(argv=None) -> None:
         path.write_text(json.dumps(res, indent=1))
     stream = None
     if args.stream:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float64
+        dtype = torch.bfloat16 if cuda else torch.float64
         backends = [b for b in args.stream_backends.split(",") if b]
         res["stream"] = run_stream(args, device, dtype, backends)
-        stream = stream_summary(res["stream"], stream_dense_ms(args) if device.type == "cuda" else None)
+        stream = stream_summary(res["stream"], stream_dense_ms(args) if cuda else None)
     res["summary"] = summarize(res["rows"], stream)
     path.write_text(json.dumps(res, indent=1))
     print(f"wrote {path}")

@@ -48,8 +48,8 @@ if [[ $part == x2 ]]; then
       --variants remat --steps 3 --tag finetune-ref --out "$out") &
   fi
   export CUDA_VISIBLE_DEVICES=0,1
-  echo "== GPU test"; timeout 420 python3 -m pytest tests/gpu/test_finetune_gpu.py -q -p no:cacheprovider \
-    > "$out/gpu-test-finetune.log" 2>&1; tail -3 "$out/gpu-test-finetune.log"
+  echo "== GPU test"; GPU_TESTS_TIMEOUT=420 bash scripts/run_gpu_tests.sh tests/gpu/test_finetune_gpu.py -q \
+    --log "$out/gpu-test-finetune.log" > /dev/null 2>&1; tail -3 "$out/gpu-test-finetune.log"
   finetune 7b-32k 2 29611 configs/llama2-7b-32k-2gpu.yaml training.max_steps=4
   finetune 7b-64k 2 29612 configs/llama2-7b-64k.yaml training.max_steps=4 training.grad_accum=1
   wait
@@ -82,7 +82,7 @@ if [[ $part == packed ]]; then
   python3 -c "import datasets" 2>/dev/null || { echo "part packed reads its documents with the datasets package" \
     "(pip install datasets)" >&2; exit 1; }
   export CUDA_VISIBLE_DEVICES=0,1
-  docs=$out/packed-docs.jsonl
+  docs=$out/packed-docs.jsonl files=files  # the file data exists from here on (written below)
   python3 - "$docs" <<'EOF'
 import json, random, sys
 sys.path.insert(0, "scripts")
@@ -94,7 +94,7 @@ with open(sys.argv[1], "w") as f:
 EOF
   runs=() port=29631
   for b in ${PACKED_BACKENDS:-triton cudnn_fe}; do
-    finetune "7b-64k-packed-$b" 2 $((port++)) configs/llama2-7b-64k.yaml data.type=files "data.paths=[$docs]" \
+    finetune "7b-64k-packed-$b" 2 $((port++)) configs/llama2-7b-64k.yaml "data.type=$files" "data.paths=[$docs]" \
       data.format=json tokenizer=bytes training.backend="$b" training.max_steps=4 training.grad_accum=1
     runs+=(--run "$b" "$out/runs/7b-64k-packed-$b" "$(head -1 "$out/7b-64k-packed-$b.log")")
   done

@@ -79,9 +79,9 @@ def test_stream_summary(bench):
 
 def test_stream_mode_runs_on_the_cpu_with_the_emulated_op(bench, monkeypatch, tmp_path):
     emu = install(monkeypatch.setattr)
-    bench.main(["--device", "cpu", "--stream", "4", "--stream-seq", "512", "--stream-heads", "4/2",
-                "--dims", "16", "--median", "48", "--max-doc", "256", "--stream-backends",
-                "cudnn_fe,reference", "--out", str(tmp_path), "--tag=-smoke"])
+    bench.main(["--device", "cpu", "--seqs", "", "--extra-dim-seq", "", "--stream", "4", "--stream-seq",
+                "512", "--stream-heads", "4/2", "--dims", "16", "--median", "48", "--max-doc", "256",
+                "--stream-backends", "cudnn_fe,reference", "--out", str(tmp_path), "--tag=-smoke"])
     (path,) = tmp_path.glob("packed-kernels-cpu-*-smoke.json")
     result = json.loads(path.read_text())
     records = {(r["world"], r["backend"]): r for r in result["stream"]}

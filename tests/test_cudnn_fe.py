@@ -355,3 +355,21 @@ def test_training_config_takes_the_backend():
     assert cfg.training.backend == "cudnn_fe"
     with pytest.raises(ConfigError, match=r"^training.backend: 'cudnn_fe' needs a CUDA GPU; tensors are on"):
         check_backend_device("cudnn_fe", torch.nn.Linear(2, 2))
+
+
+def test_the_op_call_recorder_of_the_internal_surface(monkeypatch):
+    """``lightseq_hf._testing.kernel_knobs.cudnn_fe_op_calls`` (the GPU tests read the op calls through it)
+    records the calls made inside it and puts the ops back."""
+    from lightseq_hf._testing import kernel_knobs
+
+    emu = install(monkeypatch.setattr)
+    q = torch.randn(1, 70, 2, 8, dtype=torch.float64)
+    blocks = make_doc_blocks((6, 64), (6, 64), slice(0, 70), slice(0, 70), True, "cpu")
+    kernel = cudnn_fe.CudnnFeKernel()
+    ops = cudnn_fe.ops()
+    with kernel_knobs.cudnn_fe_op_calls() as calls:
+        out, lse = kernel.forward(q, q, q, causal=False, scale=0.3, doc_blocks=blocks)
+        kernel.backward(q, q, q, q, out, lse, causal=False, scale=0.3, doc_blocks=blocks)
+    assert [c["op"] for c in calls] == ["forward", "backward"] and calls[0]["k_lens"] == (6, 64)
+    assert calls[1]["k_lens"] == (6, 63)  # the key length 64 goes without its first key
+    assert cudnn_fe.ops() is ops and len(emu.calls) == 2

@@ -3,7 +3,8 @@
 With ``--nproc N`` the command checks the config for N processes, then starts them (see :mod:`.launch`);
 without it, it is one worker (under ``accelerate launch``/``torchrun``, or alone). Exit status: 0 done,
 2 a configuration problem (one line, printed by rank 0 only), 1 a run that stopped on a checkpoint,
-non-finite or peer failure (one line per rank that saw it).
+non-finite or peer failure (one line per rank that saw it) or because a step ran out of memory on some
+rank (one line on every rank: which rank, where, and the planner's advice for this machine).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from .config import ConfigError, FinetuneConfig, load_config
-from .log import install_console_handler
+from .config import FinetuneConfig, load_config
+from .errors import ConfigError
+from .log import install_console_handler, logger
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1
 WORKER_MODULE = "lightseq_hf.training.cli"
@@ -97,6 +99,7 @@ def check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume:
 
 def _run_worker(cfg: FinetuneConfig) -> int:
     from ..guard.parity import ParityError
+    from .failures import OutOfMemoryStop
     from .guards import NonFiniteError, PeerFailure
     from .loop import train
     from .saving import CheckpointError
@@ -110,7 +113,7 @@ def _run_worker(cfg: FinetuneConfig) -> int:
     except ParityError as e:
         return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
                      EXIT_FAILED, every_rank=True)
-    except PeerFailure as e:
+    except (PeerFailure, OutOfMemoryStop) as e:
         return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
     return 0
 
@@ -170,7 +173,17 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
                           grace_s=min(cfg.training.timeout_s, 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
+    _start_worker()
     return _run_worker(cfg)
+
+
+def _start_worker() -> None:
+    """What a training process sets before its first CUDA allocation: the allocator's default."""
+    from .launch import use_expandable_segments
+
+    line = use_expandable_segments()
+    if _is_reporting_rank():
+        logger.info(line)
 
 
 def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> NoReturn:

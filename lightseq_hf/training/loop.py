@@ -30,15 +30,20 @@ from .build import (
     build_optimizer,
     check_tokenizer_fits,
     offload_setting,
+    rank_memory_budget,
+    run_sharding,
     use_fsdp_cpu_offload,
 )
 from .checkpoints import TrainState, load_resume_state, reconcile_schedule, save_checkpoint
-from .config import ConfigError, FinetuneConfig, validate
+from .config import FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer
+from .errors import ConfigError
 from .evaluation import evaluate_passkey
+from .failures import FailureBoard, PeerWatch, is_out_of_memory, out_of_memory_line, stop_for_out_of_memory
 from .guards import NonFiniteError, Progress
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
+from .planning import memory_advice
 from .saving import CheckpointError, read_completion_record
 
 
@@ -130,6 +135,8 @@ class Trainer:
         validate(self.cfg, world_size=self.world)
         set_seed(t.seed)  # the same initial weights on every rank
         self.progress = Progress(self.accelerator.process_index, self.world, t.timeout_s)
+        self.memory_budget = rank_memory_budget(self.accelerator)  # before this run holds any
+        self.failures = FailureBoard.for_default_group(self.accelerator.process_index, self.world)
 
     def _build_run(self) -> None:
         """Groups, the resume choice, tokenizer, patched model, dataset and the step count."""
@@ -271,6 +278,7 @@ class Trainer:
         if skipped:
             self._raise_or_warn_nonfinite(step, loss, grad_norm)
         else:
+            self.progress.set("optimizer step", step)
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -280,6 +288,18 @@ class Trainer:
         self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches)
         self.state.tokens += self.tokens_per_step
         return StepResult(loss, grad_norm, skipped, time.perf_counter() - tic, batches)
+
+    def _guarded_step(self, batches: list[dict]) -> StepResult:
+        """:meth:`train_step`; running out of memory raises OutOfMemoryStop, one line on every rank."""
+        try:
+            return self.train_step(batches)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            advice = memory_advice(self.cfg, self.world, run_sharding(self.accelerator), *self.memory_budget)
+            line = out_of_memory_line(self.accelerator.process_index, self.progress.operation,
+                                      self.state.step + 1, e, self.device, advice)
+        raise stop_for_out_of_memory(self.failures, line)  # outside the handler: its frames are freed
 
     def _check_parity(self, batch: dict) -> None:
         """The first step's parity check (lightseq_hf.check_parity) on ``batch``; its report goes to the
@@ -383,7 +403,7 @@ class Trainer:
     def _train_all_steps(self) -> None:
         while self.state.step < self.total_steps:
             for batches in self._steps_of_epoch():
-                self.log_step(self.train_step(batches))
+                self.log_step(self._guarded_step(batches))
                 self._after_step()
                 if self.state.step >= self.total_steps:
                     return
@@ -401,6 +421,9 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.state.step, desc="fine-tune", dynamic_ncols=True,
                         disable=not (self.is_main and self.cfg.logging.progress_bar))
         metrics.reset_peak_memory(self.device)
+        self.watch = PeerWatch(self.failures) if self.failures is not None else None
+        if self.watch is not None:
+            self.watch.start()
         self.t_start = time.perf_counter()
         self.model.train()
         self.start_step = self.state.step
@@ -458,6 +481,8 @@ class Trainer:
 
     def end(self) -> None:
         """Every rank arrives, then the process groups are destroyed."""
+        if getattr(self, "watch", None) is not None:
+            self.watch.stop()
         with self.progress.phase("finish", getattr(self, "state", TrainState()).step):
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from distributed import rel_err, run_distributed
 
+from lightseq_hf._testing import kernel_knobs
 from lightseq_hf.kernels import KernelRequest, MaskKind, cudnn_fe, get_kernel, select_backend
 from lightseq_hf.kernels.base import make_doc_blocks, merge_into
 from lightseq_hf.kernels.cudnn_fe_layout import key_length_hazard
@@ -165,22 +166,8 @@ def _check_task(kernel, ref, seg, task, ck, tensors, lo, hi, name):
     return failures
 
 
-def _recording_ops(monkeypatch) -> list[tuple[int, ...]]:
-    """Record the key lengths of every backward op call the backend makes."""
-    ops, seen = cudnn_fe.ops(), []
-
-    def backward(*args, **kw):
-        cu = kw["cu_seqlens_kv"]
-        seen.append(tuple((cu[1:] - cu[:-1]).tolist()))
-        return ops.backward(*args, **kw)
-
-    monkeypatch.setitem(cudnn_fe._loaded, "ops", cudnn_fe.OpSet(ops.forward, backward, ops.graphs,
-                                                                 ops.cudnn_version))
-    return seen
-
-
 @pytest.mark.parametrize("causal", [True, False])
-def test_key_lengths_64_mod_128_with_an_lse_below_minus_88(monkeypatch, causal):
+def test_key_lengths_64_mod_128_with_an_lse_below_minus_88(causal):
     """cuDNN before 9.26 can give NaN dQ on Hopper for such calls. The raw op is asked for them (its result
     recorded); the backend's backward never asks for such a key length where the hazard is known, and
     matches float64."""
@@ -205,7 +192,6 @@ def test_key_lengths_64_mod_128_with_an_lse_below_minus_88(monkeypatch, causal):
     print(f"cuDNN {VERSION} on {torch.cuda.get_device_name()}: raw op dQ NaN for key lengths 64 mod 128 "
           f"with lse < -88.7: {raw_nan}; the backend avoids them: {key_length_hazard(VERSION)}")
     assert not raw_nan or key_length_hazard(VERSION), "a NaN-dQ cuDNN the backend does not route around"
-    seen = _recording_ops(monkeypatch)
     kernel, ref = get_kernel("cudnn_fe", DEV), ReferenceKernel(block_q=256, block_k=256)
     rng = _ranges(blocks, sum(lens))
 
@@ -213,7 +199,9 @@ def test_key_lengths_64_mod_128_with_an_lse_below_minus_88(monkeypatch, causal):
         o, s = kern.forward(*tensors[:3], causal=False, scale=d ** -0.5, **mask)
         return (o, s, *kern.backward(tensors[3], *tensors[:3], o, s, causal=False, scale=d ** -0.5, **mask))
 
-    got = run(kernel, (qb, kb, vb, db), {"doc_blocks": blocks})
+    with kernel_knobs.cudnn_fe_op_calls() as calls:
+        got = run(kernel, (qb, kb, vb, db), {"doc_blocks": blocks})
+    seen = [c["k_lens"] for c in calls if c["op"] == "backward"]
     rounded = run(ref, (qb, kb, vb, db), {"key_range": rng})  # the reference kernel in bf16 sets the bound
     want = run(ref, (q, k, v, dout), {"key_range": rng})
     for label, x, bb, r in zip(("out", "lse", "dq", "dk", "dv"), got, rounded, want):
