@@ -50,7 +50,9 @@ class OffloadStats:
     kept_tensors: int = 0  # too small, parameters, or not dense: kept on the device
     cache_tensors: int = 0  # of the offloaded, those taken from the selective-checkpoint cache
     prefetched_groups: int = 0  # fetched ahead, before their own unpack
-    fetch_order: list = field(default_factory=list)  # group ids in the order backward first used them
+    # group ids in the order the last backward first used them (the list starts again with each step's
+    # first forward, so it stays one step long)
+    fetch_order: list = field(default_factory=list)
     host_bytes_peak: int = 0
     host_bytes_live: int = 0
     host_bytes_reserved: int = 0  # the pool's buffers, in use or free (pinned for the process)
@@ -168,6 +170,7 @@ class CheckpointOffloader:
         self._streams: dict[torch.device, Any] = {}
         self._pools: dict[str, HostBufferPool] = {}
         self._warned = False
+        self._fetched_since_forward = False
 
     def pool(self, device: torch.device | None) -> HostBufferPool | None:
         """The host buffer pool for tensors of ``device`` (pinned for CUDA; None for host tensors)."""
@@ -188,6 +191,9 @@ class CheckpointOffloader:
     @contextlib.contextmanager
     def group(self) -> Iterator[_Group]:
         """Open a group: tensors saved inside go to host memory (and come back in backward)."""
+        if self._fetched_since_forward:  # the first forward group of a new step
+            self.stats.fetch_order.clear()
+            self._fetched_since_forward = False
         group = _Group(self._next_index)
         self._next_index += 1
         self._groups[group.index] = group
@@ -301,6 +307,7 @@ class CheckpointOffloader:
             return
         group.state = _Group.FETCHED
         self.stats.fetch_order.append(group.index)
+        self._fetched_since_forward = True
         for slot in slots:
             if slot.host is not None and slot.device_tensor is None:
                 self._copy_in(slot, wait=False)
