@@ -121,7 +121,7 @@ class PlanOptions:
     offload_checkpoints: bool | int | str = False  # True: every layer; N: the first N; "auto": as needed
     tiled_mlp: int | None = None
     tiled_norms: bool | None = False  # norms tiled, keeping only their inputs; None: with tiled_mlp
-    final_norm_in_loss: bool = False  # the final norm runs per chunk inside the fused loss
+    final_norm_in_loss: bool = True  # the final norm runs per chunk inside the fused loss
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: master weights, gradients, optimizer on the host
     optimizer_state: bool = True  # AdamW moments allocated (every step after the first)
     loss_chunk: int = 2048

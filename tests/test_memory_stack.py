@@ -298,3 +298,85 @@ def test_memory_options_distributed(world):
     results = run_distributed(worker_memory_options, world)
     failures = [f for r in results for f in r]
     assert not failures, "\n".join(failures)
+
+
+def _record_rows(module: torch.nn.Module, rows: list) -> tuple:
+    """Record the token rows of every call of ``module`` through its class's forward; returns what
+    restores it."""
+    cls = type(module)
+    original = cls.forward
+
+    def recording(self, x, *args, **kwargs):
+        if self is module:
+            rows.append(x.numel() // x.shape[-1])
+        return original(self, x, *args, **kwargs)
+
+    cls.forward = recording
+    return cls, original
+
+
+def worker_final_norm_in_loss(rank, world):
+    """The final norm inside the fused loss (Llama's RMSNorm, Gemma's (1 + w) one): loss and gradients of
+    the unpatched model; the norm ran on one chunk of rows at a time (and one probe row), never on the
+    whole slice."""
+    from tiny_models import loss_and_grads, make_batch, make_tiny
+
+    import lightseq_hf
+    from lightseq_hf.patches import forward as patched_forward
+
+    failures = []
+    chunk, seq = 4, 29
+    patched_forward.LOSS_CHUNK_TOKENS = chunk
+    ids, labels = make_batch(2, seq, seed=11, ignore_prefix=2)
+    for model_type in ("llama", "gemma"):
+        ref_loss, ref_grads, _ = loss_and_grads(make_tiny(model_type), input_ids=ids, labels=labels)
+        model = lightseq_hf.patch_model(make_tiny(model_type))
+        _enable(model)
+        rows: list[int] = []
+        cls, original = _record_rows(model.model.norm, rows)
+        try:
+            loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+        finally:
+            cls.forward = original
+        grads = _average(grads, world)
+        if rel_err(loss, ref_loss) > 1e-5:
+            failures.append(f"{model_type}: loss {loss.item()} vs {ref_loss.item()}")
+        worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
+        if worst[0] > 1e-4:
+            failures.append(f"{model_type}: gradient of {worst[1]} rel err {worst[0]:.2e}")
+        slice_rows = 2 * -(-seq // world)
+        if rows != [1] + [min(chunk, slice_rows - i) for i in range(0, slice_rows, chunk)]:
+            failures.append(f"{model_type}: the final norm saw {rows} rows (slice {slice_rows})")
+        lightseq_hf.unpatch()
+    patched_forward.LOSS_CHUNK_TOKENS = 2048
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_final_norm_in_loss_distributed(world):
+    results = run_distributed(worker_final_norm_in_loss, world)
+    failures = [f for r in results for f in r]
+    assert not failures, "\n".join(failures)
+
+
+def test_final_norm_stays_when_hidden_states_are_asked_for():
+    """output_hidden_states=True: the norm runs in the decoder stack (the last hidden state is the
+    normalized one, as unpatched) and the loss is the same."""
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.patches.forward import final_norm
+
+    ids, labels = make_batch(1, 17, seed=3)
+    ref = make_model("llama")(input_ids=ids, labels=labels, output_hidden_states=True)
+    model = lightseq_hf.patch_model(make_model("llama"))
+    assert final_norm(model.model) is model.model.norm
+    rows: list[int] = []
+    cls, original = _record_rows(model.model.norm, rows)
+    try:
+        out = model(input_ids=ids, labels=labels, output_hidden_states=True)
+    finally:
+        cls.forward = original
+    assert rows == [17]
+    assert rel_err(out.loss, ref.loss) < 1e-6
+    assert rel_err(out.hidden_states[-1], ref.hidden_states[-1]) < 1e-6
