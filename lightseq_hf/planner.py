@@ -120,12 +120,12 @@ class PlanOptions:
     checkpointing: str = "remat"  # remat | hf | none
     offload_checkpoints: bool | int | str = False  # True: every layer; N: the first N; "auto": as needed
     tiled_mlp: int | None = None
-    tiled_norms: bool | None = False  # norms tiled, keeping only their inputs; None: with tiled_mlp
+    tiled_norms: bool | None = None  # norms tiled, keeping only their inputs; None: with tiled_mlp
     final_norm_in_loss: bool = True  # the final norm runs per chunk inside the fused loss
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: master weights, gradients, optimizer on the host
     optimizer_state: bool = True  # AdamW moments allocated (every step after the first)
     loss_chunk: int = 2048
-    attention_kernel: str = "flash"  # flash (cuDNN/flash/Triton: no score matrix) | reference (blockwise)
+    attention_kernel: str = "sdpa"  # sdpa (cuDNN/flash, GQA repeated) | triton | reference (blockwise)
     allocator: str = "expandable"  # the CUDA caching allocator: expandable segments | default
 
     @property
@@ -277,11 +277,9 @@ def _representative_layers(modes: list[tuple[bool, bool]]) -> list[int]:
 
 
 def _layer_moment(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, remat: bool) -> dict[str, Bytes]:
-    chunks = 1
-    if opts.sp_size > 1:
-        from .parallel.ops import backward_chunks
+    from .parallel.ops import backward_chunks
 
-        chunks = backward_chunks(n * d.q, shape.kv_heads)
+    chunks = backward_chunks(n * d.q, shape.kv_heads)
     return layer_backward_moment(d, n, opts, remat=remat, chunks=chunks)
 
 

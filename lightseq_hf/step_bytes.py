@@ -158,28 +158,37 @@ def second_norm_backward(d: Dims, tokens: int, tile: int | None, *, tiled_norms:
     return parts
 
 
-def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int,
-                       reference_kernel: bool, batch: int) -> dict[str, Bytes]:
-    """Temporaries of the distributed attention's backward: the residual's and the output's gradients,
-    the float32 dq/dk/dv accumulators and, over a group, the ring's buffers (the remote key/value chunk
-    and its prefetch, the float32 dk/dv partials); with ``chunks`` head groups the accumulators and ring
-    buffers exist for one group at a time, beside the slices' copies and the whole gradients."""
+def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kernel: str,
+                       batch: int) -> dict[str, Bytes]:
+    """Temporaries of the distributed attention's backward: the residual's and the output's gradients;
+    the float32 dq/dk/dv accumulators; over a group, the ring's buffers (the remote key/value chunk and
+    its prefetch, the float32 dk/dv partials of the other kernels); and the local kernel's own: for the
+    SDPA kernels (cuDNN, flash) keys and values repeated to every query head (GQA), dq/dk/dv of every
+    query head and their
+    float32 sums over each group (a kernel's internal workspace is not counted: the committed 7B peaks
+    leave no room for a float32 dq of its own); for the reference kernel its float32 accumulators and
+    one block pair's scores, probabilities and gradients with the temporaries between them (7 at once
+    on the CPU). With ``chunks`` head groups
+    the accumulators, ring buffers and kernel temporaries exist for one group at a time, beside the
+    group's slices and the whole gradients."""
+    gqa = d.kv < d.q
     parts = {"residual and attention-output gradients": per_token((d.h + d.q) * d.c)}
-    accumulators = per_token((d.q + 2 * d.kv) * 4)
-    ring = per_token(2 * 2 * d.kv * d.c + 2 * d.kv * 4) if sp_size > 1 else Bytes()
+    grouped = {"dq/dk/dv float32 accumulators": per_token((d.q + 2 * d.kv) * 4)}
+    if sp_size > 1:  # the SDPA kernels hand back the partials in the compute dtype (counted with them)
+        grouped["ring buffers (remote keys/values, dk/dv partials)"] = per_token(
+            2 * 2 * d.kv * d.c + (0 if kernel == "sdpa" else 2 * d.kv * 4))
+    if kernel == "sdpa":
+        grouped["SDPA kernel: repeated k/v, per-head grads"] = per_token(
+            3 * d.q * d.c + (2 * d.q * d.c + 2 * d.kv * 4 if gqa else 0))
+    elif kernel == "reference":
+        block = min(512, tokens)
+        grouped["reference kernel: accumulators, one block pair"] = (
+            per_token((d.q + 2 * d.kv) * 4) + fixed(7 * batch * d.heads * block * block * 4 / chunks))
     if chunks > 1:
-        accumulators = accumulators * (1 / chunks)
-        ring = ring * (1 / chunks)
+        grouped = {k: v * (1 / chunks) for k, v in grouped.items()}
         parts["head-group slices and whole gradients"] = per_token(
             (3 * d.q + 2 * d.kv) * d.c / chunks + (d.q + 2 * d.kv) * d.c)
-    parts["dq/dk/dv float32 accumulators"] = accumulators
-    if sp_size > 1:
-        parts["ring buffers (remote keys/values, dk/dv partials)"] = ring
-    if reference_kernel:  # its own float32 accumulators, and one block pair's scores, probabilities and
-        block = min(512, tokens)  # their gradients with the temporaries between them (7 at once on the CPU)
-        parts["reference kernel: accumulators, one block pair"] = (
-            per_token((d.q + 2 * d.kv) * 4) + fixed(7 * batch * d.heads * block * block * 4))
-    return parts
+    return {**parts, **grouped}
 
 
 def attention_forward(d: Dims, *, sp_size: int) -> dict[str, Bytes]:
@@ -231,8 +240,7 @@ def layer_backward_moment(d: Dims, tokens: int, opts: Any, *, remat: bool, chunk
     phases = [{**own, **saved, **mlp_backward(d, tokens, opts.tiled_mlp)},
               {**own, **pre, **second_norm_backward(d, tokens, opts.tiled_mlp, tiled_norms=tiled_norms)},
               {**own, **pre, **attention_backward(d, tokens, sp_size=opts.sp_size, chunks=chunks,
-                                                  reference_kernel=opts.attention_kernel == "reference",
-                                                  batch=opts.batch)}]
+                                                  kernel=opts.attention_kernel, batch=opts.batch)}]
     if not remat:  # the recompute's attention forward, the incoming gradient waiting
         before = {k: v for k, v in pre.items() if "recomputed" not in k}
         phases.append({**own, **before, "incoming gradient": per_token(d.h * d.c),

@@ -10,6 +10,7 @@ an MLP projection ever saw.
 from __future__ import annotations
 
 import collections
+import contextlib
 import warnings
 
 import pytest
@@ -144,25 +145,52 @@ def _count_tiles(monkeypatch, mlp_cls) -> dict[str, int]:
     from lightseq_hf.patches import tiled_mlp
 
     counts = {"tiled_forward": 0, "tile_forwards": 0, "tile_backwards": 0}
-    apply, forward = tiled_mlp.TiledMLPFunction.apply, mlp_cls.forward
+    apply, forward = tiled_mlp.TiledFunction.apply, mlp_cls.forward
 
     def counting_apply(*args):
-        counts["tiled_forward"] += 1
+        counts["tiled_forward"] += isinstance(args[1], mlp_cls)
         return apply(*args)
 
     def counting_forward(self, x):
         counts["tile_backwards" if torch.is_grad_enabled() else "tile_forwards"] += 1
         return forward(self, x)
 
-    monkeypatch.setattr(tiled_mlp.TiledMLPFunction, "apply", staticmethod(counting_apply))
+    monkeypatch.setattr(tiled_mlp.TiledFunction, "apply", staticmethod(counting_apply))
     monkeypatch.setattr(mlp_cls, "forward", counting_forward)
     return counts
 
 
+@contextlib.contextmanager
+def _norm_rows(model):
+    """Yield the largest token-row count any norm of the decoder layers computed on (their class
+    forwards, which the tiled function calls per tile)."""
+    from lightseq_hf.patches.tiled_mlp import layer_norms
+
+    norms = layer_norms(model)
+    seen = [0]
+    restore = []
+    for cls in {type(m) for m in norms}:
+        original = cls.forward
+
+        def recording(self, x, *args, _original=original, **kwargs):
+            if any(self is m for m in norms):
+                seen[0] = max(seen[0], x.numel() // x.shape[-1])
+            return _original(self, x, *args, **kwargs)
+
+        cls.forward = recording
+        restore.append((cls, original))
+    try:
+        yield seen
+    finally:
+        for cls, original in restore:
+            cls.forward = original
+
+
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_tiled_mlp_matches_untiled(arch, monkeypatch):
-    """Tiled MLP (7 tokens per tile over 2 x 45 tokens) against untiled, with and without remat
-    checkpointing: loss and gradients within float32 rounding; no projection sees more than 7 rows."""
+    """Tiled MLP and norms (7 tokens per tile over 2 x 45 tokens) against untiled, with and without remat
+    checkpointing: loss and gradients within float32 rounding; no projection and no norm (Qwen3's
+    per-head q/k norms included) sees more than 7 rows."""
     from tiny_models import make_batch, make_model
 
     import lightseq_hf
@@ -176,11 +204,17 @@ def test_tiled_mlp_matches_untiled(arch, monkeypatch):
         if checkpointed:
             _enable(model)
         seen, handles = _rows_seen(model)
-        with monkeypatch.context() as patched:
+        with monkeypatch.context() as patched, _norm_rows(model) as norm_rows:
             counts = _count_tiles(patched, type(model.model.layers[0].mlp))
             loss1, grads1, _ = _step(model, ids)
         for h in handles:
             h.remove()
+        from lightseq_hf.patches.tiled_mlp import TiledForward, layer_norms
+
+        norms = layer_norms(model)
+        assert len(norms) == 2 * (4 if arch == "qwen3" else 2)  # per layer: 2 norms (+ q/k norms)
+        assert all(isinstance(m.__dict__.get("forward"), TiledForward) for m in norms)
+        assert norm_rows[0] == 7 * (4 if arch == "qwen3" else 1)  # a tile of tokens (x heads for q norms)
         tiles = -(-2 * 45 // 7)
         forwards = 2 * (2 if checkpointed else 1)  # layers x (forward + recompute)
         assert counts == {"tiled_forward": forwards, "tile_forwards": forwards * tiles,
@@ -241,7 +275,7 @@ def worker_memory_options(rank, world):
         if offload:
             model.lightseq_offloader.min_bytes = 0  # the tiny lse too (608 bytes)
         seen, handles = _rows_seen(model)
-        with OpCalls() as op_calls:
+        with OpCalls() as op_calls, _norm_rows(model) as norm_rows:
             loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
         calls = op_calls.calls
         for h in handles:
@@ -258,6 +292,8 @@ def worker_memory_options(rank, world):
         local = -(-37 // world)
         if seen[0] != (min(tile, 2 * local) if tile else 2 * local):
             failures.append(f"{tag}: an MLP projection saw {seen[0]} token rows")
+        if norm_rows[0] != (min(tile, 2 * local) if tile else 2 * local):
+            failures.append(f"{tag}: a layer norm saw {norm_rows[0]} token rows")
         heads = model.config.num_attention_heads  # head groups per backward -> backwards that used them
         chunks = {heads // h: n // (heads // h) for h, n in collections.Counter(backward_heads).items()}
         if chunks != ({2: LAYERS} if partial and world > 1 else {1: LAYERS}):
@@ -380,3 +416,29 @@ def test_final_norm_stays_when_hidden_states_are_asked_for():
     assert rows == [17]
     assert rel_err(out.loss, ref.loss) < 1e-6
     assert rel_err(out.hidden_states[-1], ref.hidden_states[-1]) < 1e-6
+
+
+def test_head_chunked_backward_on_one_process(monkeypatch):
+    """Without a process group the attention backward also runs one key/value head group at a time once
+    its float32 dq passes the limit; the gradients are the unchunked ones."""
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.parallel import ops
+
+    ids, _ = make_batch(1, 31, seed=5)
+    loss0, grads0, _ = _step(lightseq_hf.patch_model(make_model("llama")), ids)
+    heads = []
+    schedule_backward = ops.dist_attn_backward
+
+    def recording_backward(dout, q, *args, **kwargs):
+        heads.append(q.shape[2])
+        return schedule_backward(dout, q, *args, **kwargs)
+
+    monkeypatch.setattr(ops, "dist_attn_backward", recording_backward)
+    monkeypatch.setattr(ops, "BACKWARD_CHUNK_BYTES", 1)
+    loss1, grads1, _ = _step(lightseq_hf.patch_model(make_model("llama")), ids)
+    assert heads == [2] * 4  # 2 layers x 2 key/value head groups of 2 query heads
+    assert torch.equal(loss0, loss1)
+    for name, grad in grads0.items():
+        assert rel_err(grads1[name], grad) < 1e-6, name

@@ -31,7 +31,7 @@ def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
                        compute_dtype=compute, checkpointing=t.checkpointing,
                        offload_checkpoints=t.offload_checkpoints, tiled_mlp=t.tiled_mlp,
                        cpu_offload=t.cpu_offload,
-                       attention_kernel="reference" if t.backend == "reference" else "flash")
+                       attention_kernel=t.backend if t.backend in ("reference", "triton") else "sdpa")
     return ModelShape.from_config(entries), opts
 
 
