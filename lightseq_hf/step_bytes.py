@@ -164,13 +164,12 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
     the float32 dq/dk/dv accumulators; over a group, the ring's buffers (the remote key/value chunk and
     its prefetch, the float32 dk/dv partials of the other kernels); and the local kernel's own: for the
     SDPA kernels (cuDNN, flash) keys and values repeated to every query head (GQA), dq/dk/dv of every
-    query head and their
-    float32 sums over each group (a kernel's internal workspace is not counted: the committed 7B peaks
-    leave no room for a float32 dq of its own); for the reference kernel its float32 accumulators and
-    one block pair's scores, probabilities and gradients with the temporaries between them (7 at once
-    on the CPU). With ``chunks`` head groups
-    the accumulators, ring buffers and kernel temporaries exist for one group at a time, beside the
-    group's slices and the whole gradients."""
+    query head and their float32 sums over each group (a kernel's internal workspace is not counted:
+    the committed 7B peaks leave no room for a float32 dq of its own); for the reference kernel its
+    float32 accumulators and one block pair's scores, probabilities and gradients with the temporaries
+    between them (7 at once on the CPU). With ``chunks`` head groups the accumulators, ring buffers and
+    kernel temporaries exist for one group at a time, beside the group's slices and the whole
+    gradients."""
     gqa = d.kv < d.q
     parts = {"residual and attention-output gradients": per_token((d.h + d.q) * d.c)}
     grouped = {"dq/dk/dv float32 accumulators": per_token((d.q + 2 * d.kv) * 4)}
@@ -183,7 +182,7 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
     elif kernel == "reference":
         block = min(512, tokens)
         grouped["reference kernel: accumulators, one block pair"] = (
-            per_token((d.q + 2 * d.kv) * 4) + fixed(7 * batch * d.heads * block * block * 4 / chunks))
+            per_token((d.q + 2 * d.kv) * 4) + fixed(7 * batch * d.heads * block * block * 4))
     if chunks > 1:
         grouped = {k: v * (1 / chunks) for k, v in grouped.items()}
         parts["head-group slices and whole gradients"] = per_token(
