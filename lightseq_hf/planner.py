@@ -9,8 +9,8 @@ one chunk of the loss's logits). Terms are added up at the moments of a step:
 * the end of the forward (every checkpointed layer's kept tensors alive, and the loss's);
 * the start of backward (the loss's and the final norm's backward);
 * the backward of a layer: the kept tensors of the layers not yet reached that stay on the device, the
-  offload's next layer in flight, and this layer's needs at its largest point (what its recompute saved
-  and the MLP's or the attention's backward temporaries);
+  offload's next input in flight, and this layer's needs at its largest point (what its recompute saved
+  and the MLP's, the second norm's or the attention's backward temporaries);
 * the end of backward (every gradient) and the optimizer step (AdamW's foreach temporary).
 
 The peak is the largest; :attr:`MemoryPlan.gpu_per_token` and :attr:`MemoryPlan.host_per_token` give
@@ -257,8 +257,8 @@ def _moments(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, state: dict[
             if not modes[i][0]:
                 others = others + total(kept(d, modes[i][1]))
         parts = {**common, **head_grad, "kept by checkpointing (layers below)": others}
-        if offloaded and j > 0 and modes[j - 1][0]:
-            parts["offload: the layer below, prefetched"] = total(kept(d, modes[j - 1][1]))
+        if offloaded and j > 0 and modes[j - 1][0]:  # its input only: the cache comes at its own turn
+            parts["offload: the layer below's input, prefetched"] = per_token(d.h * d.c)
         parts.update(_layer_moment(shape, opts, d, n, remat))
         where, how = "host" if offloaded else "device", "remat" if remat else "recompute"
         moments[f"backward of layer {j} (checkpoint on the {where}, {how})"] = parts

@@ -91,6 +91,7 @@ def test_transformers_offload_flag_uses_our_offload(mode):
     assert stats.host_bytes_peak == LAYERS * (hidden + cache)
     assert stats.fetch_order == list(range(LAYERS - 1, -1, -1))
     assert stats.prefetched_groups == LAYERS - 1  # every layer but the last was fetched a layer ahead
+    assert stats.prefetched_bytes_peak == 2 * 40 * 64 * 4  # ahead of its turn: one layer's input only
     assert stats.host_bytes_live == 0  # all host buffers released after the backward
     # a second step: new groups, same behaviour
     loss2, grads2, _ = _step(model, ids)
@@ -442,3 +443,31 @@ def test_head_chunked_backward_on_one_process(monkeypatch):
     assert torch.equal(loss0, loss1)
     for name, grad in grads0.items():
         assert rel_err(grads1[name], grad) < 1e-6, name
+
+
+def test_cached_attention_copy_waited_for_at_first_read(monkeypatch):
+    """A cached attention tensor handed back while its host-to-device copy runs: the compute stream waits
+    for the copy only when the recompute first reads the cache entry (once), not when it is handed back."""
+    from torch.utils.checkpoint import _VersionWrapper
+
+    from lightseq_hf.offload import CheckpointOffloader, _Group, _Slot
+
+    waits = []
+
+    class Stream:
+        def wait_event(self, event):
+            waits.append(event)
+
+    class Copied(torch.Tensor):  # a device tensor: record_stream takes the fake stream
+        def record_stream(self, stream):
+            waits.append(("record", stream))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    entry = _VersionWrapper(torch.zeros(3))
+    slot = _Slot(_Group(0))
+    slot.cache_entry, slot.device_tensor, slot.h2d_done = entry, torch.ones(3).as_subclass(Copied), "copied"
+    CheckpointOffloader._hand_to_cache(slot)
+    assert waits == [] and slot.cache_entry is None and slot.device_tensor is None
+    value = entry.get_val(False)
+    assert torch.equal(value, torch.ones(3)) and waits[0] == "copied" and len(waits) == 2
+    assert torch.equal(entry.get_val(False), torch.ones(3)) and len(waits) == 2  # waited once

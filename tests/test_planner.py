@@ -130,8 +130,8 @@ def test_planner_matches_committed_gpu_peaks():
 
 
 def test_memory_options_move_memory():
-    """Offload moves the kept tensors to the host (the device keeps the layer in backward and the one
-    prefetched), tiling lowers the layer's peak, CPU offload moves the optimizer state; each option
+    """Offload moves the kept tensors to the host (the device keeps the layer in backward and the input
+    of the one below, prefetched), tiling lowers the layer's peak, CPU offload moves the optimizer state; each option
     lengthens the longest context."""
     from lightseq_hf.planner import GIB, ModelShape, PlanOptions, longest_context, plan_memory
 
@@ -148,8 +148,8 @@ def test_memory_options_move_memory():
         "this layer: attention output + lse"] == layer
     assert offload.host_per_token["offloaded checkpoints"] == 32 * layer
     assert offload.host["offloaded checkpoints"] == 32 * layer * 131072
-    assert offload.gpu_per_token["offload: the layer below, prefetched"] == layer
-    assert offload.device_bytes_per_token == plain.device_bytes_per_token - 30 * layer
+    assert offload.gpu_per_token["offload: the layer below's input, prefetched"] == 4096 * 2
+    assert offload.device_bytes_per_token == plain.device_bytes_per_token - 31 * layer + 4096 * 2
     assert tiled.device_bytes_per_token < plain.device_bytes_per_token
     assert cpu.gpu.get("optimizer state (AdamW)", 0) == 0 and cpu.host["optimizer state"] > 25 * GIB
     limits = [longest_context(shape, PlanOptions(**{**base.__dict__, **o}), 139 * GIB)

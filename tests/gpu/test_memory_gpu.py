@@ -3,8 +3,9 @@ stream, partial offload, the head-chunked distributed backward and the tiled MLP
 against the unpatched model on one GPU (float32, TF32 off).
 
 Asserted per option: loss and gradients; what was offloaded per layer and in which order backward
-fetched it; that the host buffers are page-locked, exact-sized and reused by the second step (no new
-ones); that the backward ran in the expected number of head chunks.
+fetched it (a layer's input prefetched, its cached attention tensors copied at its own turn and
+waited for where the recompute reads them); that the host buffers are page-locked, exact-sized and
+reused by the second step (no new ones); that the backward ran in the expected number of head chunks.
 
 Run on a machine with at least 2 GPUs: ``python -m pytest tests/gpu/test_memory_gpu.py``.
 """
@@ -82,6 +83,8 @@ def worker(rank, world):
                                     f"cache {stats.cache_tensors}")
                 if stats.fetch_order != list(range(layers - 1, -1, -1)):
                     failures.append(f"{tag}: fetch order {stats.fetch_order}")
+                if stats.prefetched_bytes_peak != SEQ // world * 256 * 4:  # one layer's input ahead
+                    failures.append(f"{tag}: {stats.prefetched_bytes_peak} bytes prefetched at once")
                 allocated = stats.host_buffers_allocated
                 pool = m.lightseq_offloader.pool(device)
                 buffers = [b for free in pool._free.values() for b in free]
