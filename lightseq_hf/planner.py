@@ -24,6 +24,7 @@ resident memory, and its growth per token) and the 7B GPU runs in ``benchmarks/r
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -107,6 +108,45 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class OffloadPlan:
+    """Per decoder layer, where checkpointing keeps what it saves and what it keeps: the first
+    ``layers`` checkpointed layers keep it in pinned host memory (the last ones, which backward needs
+    first, on the device); the first ``recompute`` keep only their input, their attention forward
+    running again in backward (plain recompute instead of remat: half the bytes per token, one more
+    attention forward per step each)."""
+
+    layers: int
+    recompute: int = 0
+
+
+_EVERY_LAYER = 2**31
+_OFFLOAD_HELP = ("use True (every layer), False, a number of layers N >= 0 (the first N decoder layers keep "
+                 "their checkpoints in host memory), or {'layers': N, 'recompute': R} (of the first R layers "
+                 "only the input is kept: plain recompute).")
+
+
+def offload_plan(offload: bool | int | Mapping | OffloadPlan | None) -> OffloadPlan:
+    """The :class:`OffloadPlan` of an ``offload_checkpoints`` value: ``True`` every layer, ``False`` none,
+    ``N`` the first N, a mapping with ``layers`` (and ``recompute``), or a plan; ValueError otherwise."""
+    if isinstance(offload, OffloadPlan):
+        plan = offload
+    elif offload is True:
+        plan = OffloadPlan(_EVERY_LAYER)
+    elif offload is False or offload is None:
+        plan = OffloadPlan(0)
+    elif isinstance(offload, int):
+        plan = OffloadPlan(offload)
+    elif isinstance(offload, Mapping) and set(offload) <= {"layers", "recompute"} and "layers" in offload:
+        plan = OffloadPlan(**offload)
+    else:
+        raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
+    for value in (plan.layers, plan.recompute):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
+    return plan
+
+
+@dataclass(frozen=True)
 class PlanOptions:
     """The run: lengths, parallelism, precision and the memory options."""
 
@@ -118,7 +158,8 @@ class PlanOptions:
     master_dtype: str = "float32"  # weights, gradients and AdamW state
     compute_dtype: str = "bfloat16"  # activations (mixed precision); float32 without it
     checkpointing: str = "remat"  # remat | hf | none
-    offload_checkpoints: bool | int | str = False  # True: every layer; N: the first N; "auto": as needed
+    # True: every layer; N: the first N; an OffloadPlan (or its mapping); "auto": as choose_offload says
+    offload_checkpoints: bool | int | str | Mapping | OffloadPlan = False
     tiled_mlp: int | None = None
     tiled_norms: bool | None = None  # norms tiled, keeping only their inputs; None: with tiled_mlp
     final_norm_in_loss: bool = True  # the final norm runs per chunk inside the fused loss
@@ -188,7 +229,7 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
     if opts.context % opts.sp_size:
         raise ValueError(f"context {opts.context} is not divisible by sp_size {opts.sp_size}")
     if opts.offload_checkpoints == "auto":
-        raise ValueError("offload_checkpoints='auto': resolve the number of layers with layers_to_offload()")
+        raise ValueError("offload_checkpoints='auto': resolve it with choose_offload()")
     n = opts.batch * opts.context // opts.sp_size  # tokens on this rank
     d = Dims.of(shape, opts.compute_dtype)
     state, host = _state_parts(shape, opts)
@@ -212,10 +253,11 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
 
 def layer_modes(shape: ModelShape, opts: PlanOptions) -> list[tuple[bool, bool]]:
     """``(offloaded, remat)`` of every layer: the first ``offloaded_layers`` keep their checkpoints in
-    host memory."""
+    host memory, the plan's first ``recompute`` are under plain recompute."""
     offloaded = offloaded_layers(shape, opts)
+    plain = 0 if opts.checkpointing == "none" else offload_plan(opts.offload_checkpoints).recompute
     remat = opts.checkpointing == "remat"
-    return [(i < offloaded, remat) for i in range(shape.layers)]
+    return [(i < offloaded, remat and i >= plain) for i in range(shape.layers)]
 
 
 def _offloaded(d: Dims, modes: list[tuple[bool, bool]]) -> dict[str, Bytes]:
@@ -340,11 +382,9 @@ def _state_parts(shape: ModelShape, opts: PlanOptions) -> tuple[dict[str, Bytes]
 
 def offloaded_layers(shape: ModelShape, opts: PlanOptions) -> int:
     """How many layers keep their checkpoints in host memory."""
-    if opts.checkpointing == "none" or opts.offload_checkpoints is False:
+    if opts.checkpointing == "none":
         return 0
-    if opts.offload_checkpoints is True:
-        return shape.layers
-    return min(int(opts.offload_checkpoints), shape.layers)
+    return min(offload_plan(opts.offload_checkpoints).layers, shape.layers)
 
 
 def fits(plan: MemoryPlan, gpu_bytes: float, host_bytes: float | None = None) -> bool:
@@ -364,14 +404,54 @@ def layers_to_offload(shape: ModelShape, opts: PlanOptions, gpu_bytes: float,
     return None
 
 
+def choose_offload(shape: ModelShape, opts: PlanOptions, gpu_bytes: float,
+                   host_bytes: float | None = None) -> OffloadPlan | None:
+    """``offload_checkpoints: auto``: the plan that fits ``gpu_bytes`` and ``host_bytes`` for the least
+    step time: the fewest layers under plain recompute (each runs its attention forward again; see
+    :func:`recompute_cost`), and for that the fewest offloaded layers (their copies overlap the compute);
+    None when no plan fits. Plain recompute goes to the first layers (offloaded first: on the host it
+    halves the bytes per token). Under ``checkpointing: hf`` every layer is plain already."""
+    most = shape.layers if opts.checkpointing == "remat" else 0
+    for recompute in range(most + 1):
+        # the device's need falls and the host's grows with the offloaded layers: the fewest that fit the
+        # device, if the host holds them
+        if not _fits_device(shape, opts, gpu_bytes, OffloadPlan(shape.layers, recompute)):
+            continue
+        lo, hi = 0, shape.layers
+        while lo < hi:
+            mid = (lo + hi) // 2
+            fits_mid = _fits_device(shape, opts, gpu_bytes, OffloadPlan(mid, recompute))
+            lo, hi = (lo, mid) if fits_mid else (mid + 1, hi)
+        chosen = OffloadPlan(lo, recompute)
+        if fits(plan_memory(shape, replace(opts, offload_checkpoints=chosen)), gpu_bytes, host_bytes):
+            return chosen
+    return None
+
+
+def _fits_device(shape: ModelShape, opts: PlanOptions, gpu_bytes: float, plan: OffloadPlan) -> bool:
+    return fits(plan_memory(shape, replace(opts, offload_checkpoints=plan)), gpu_bytes)
+
+
+def recompute_cost(shape: ModelShape, opts: PlanOptions, recompute: int) -> float:
+    """Estimated share of a step's FLOPs that ``recompute`` layers under plain recompute add: one more
+    causal attention forward each (``2 x heads x head dim x tokens^2`` over the whole sequence, half of
+    the dense count) against the step's matmuls (forward, recompute and backward: 8 x parameters x
+    tokens) and attention (forward and backward: 3.5 forwards per layer)."""
+    tokens = opts.batch * opts.context
+    attention = 2 * opts.batch * shape.heads * shape.head_dim * opts.context ** 2
+    matmul_params = shape.layers * shape.layer_params + shape.vocab * shape.hidden
+    step = 8 * matmul_params * tokens + 3.5 * shape.layers * attention
+    return recompute * attention / step
+
+
 def longest_context(shape: ModelShape, opts: PlanOptions, gpu_bytes: float, host_bytes: float | None = None,
                     step: int = 8192) -> int:
     """The longest context (a multiple of ``step`` and of the sp size) whose predicted peaks fit."""
     unit = step * opts.sp_size // math.gcd(step, opts.sp_size)
-    if opts.offload_checkpoints == "auto":  # as many layers offloaded as each length needs
+    if opts.offload_checkpoints == "auto":  # the plan each length needs
         def fits_at(k: int) -> bool:
             at = replace(opts, context=k * unit)
-            return layers_to_offload(shape, at, gpu_bytes, host_bytes) is not None
+            return choose_offload(shape, at, gpu_bytes, host_bytes) is not None
     else:
         def fits_at(k: int) -> bool:
             return fits(plan_memory(shape, replace(opts, context=k * unit)), gpu_bytes, host_bytes)

@@ -239,9 +239,37 @@ def _average(grads, world):
     return grads
 
 
-#: (checkpointing, offload through, tiled_mlp): "patch" offloads every layer, an int the first N
+#: (checkpointing, offload through, tiled_mlp): "transformers" offloads every layer through Transformers'
+#: flag, "patch" through patch(), an int the first N layers, a mapping a per-layer plan (of the first
+#: ``recompute`` layers only the input is kept: plain recompute)
 OPTIONS = [("remat", "transformers", None), ("remat", None, 5), ("remat", "patch", 5),
-           ("hf", "transformers", 5), ("remat", 2, None)]
+           ("hf", "transformers", 5), ("remat", 2, None), ("remat", {"layers": 3, "recompute": 2}, 5),
+           ("remat", {"layers": 1, "recompute": 2}, None)]
+
+
+def _expected_layers(mode: str, offload) -> list[tuple[bool, bool]]:
+    """``(offloaded, remat)`` per layer for an OPTIONS entry."""
+    if isinstance(offload, dict):
+        layers, plain = offload["layers"], offload["recompute"]
+    else:
+        layers, plain = (offload if isinstance(offload, int) else LAYERS if offload else 0), 0
+    return [(i < layers, mode == "remat" and i >= plain) for i in range(LAYERS)]
+
+
+def _offload_failures(tag: str, stats, layers: list[tuple[bool, bool]]) -> list[str]:
+    """What the offloader did against the plan: per offloaded layer its input (and under remat the
+    cached out and lse), fetched back last to first, the next layer's input prefetched; pooled host
+    buffers all returned."""
+    offloaded = [remat for off, remat in layers if off]
+    failures = []
+    if (stats.offloaded_tensors, stats.cache_tensors) != (sum(1 + 2 * r for r in offloaded),
+                                                          sum(2 * r for r in offloaded)):
+        failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache {stats.cache_tensors}")
+    if stats.fetch_order != list(range(len(offloaded) - 1, -1, -1)):
+        failures.append(f"{tag}: fetch order {stats.fetch_order}")
+    if stats.prefetched_groups != max(len(offloaded) - 1, 0) or stats.host_bytes_live != 0:
+        failures.append(f"{tag}: prefetched {stats.prefetched_groups}, live {stats.host_bytes_live}")
+    return failures
 
 
 def worker_memory_options(rank, world):
@@ -266,12 +294,13 @@ def worker_memory_options(rank, world):
     for mode, offload, tile in OPTIONS:
         tag = f"checkpointing {mode} offload {offload} tiled_mlp {tile}"
         model = make_model("llama", layers=LAYERS)
+        layers = _expected_layers(mode, offload)
         partial = offload if isinstance(offload, int) else None
         # the partial-offload case also runs the attention backward one key/value head at a time
         ops.BACKWARD_CHUNK_BYTES = 1 if partial else 2**30
         backward_heads.clear()
-        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=partial or offload == "patch",
-                                tiled_mlp=tile)
+        given = offload if isinstance(offload, (int, dict)) else offload == "patch"
+        lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=given, tiled_mlp=tile)
         _enable(model, **({"offload": True} if offload == "transformers" else {}))
         if offload:
             model.lightseq_offloader.min_bytes = 0  # the tiny lse too (608 bytes)
@@ -287,7 +316,7 @@ def worker_memory_options(rank, world):
         worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
         if worst[0] > 1e-4:
             failures.append(f"{tag}: gradient of {worst[1]} rel err {worst[0]:.2e}")
-        want = LAYERS * (2 if mode == "hf" else 1)
+        want = LAYERS + sum(not remat for _, remat in layers)  # plain recompute runs the attention again
         if calls != {"forward": want, "backward": LAYERS}:
             failures.append(f"{tag}: attention calls {calls}")
         local = -(-37 // world)
@@ -297,33 +326,17 @@ def worker_memory_options(rank, world):
             failures.append(f"{tag}: a layer norm saw {norm_rows[0]} token rows")
         heads = model.config.num_attention_heads  # head groups per backward -> backwards that used them
         chunks = {heads // h: n // (heads // h) for h, n in collections.Counter(backward_heads).items()}
-        if chunks != ({2: LAYERS} if partial and world > 1 else {1: LAYERS}):
+        if chunks != ({2: LAYERS} if partial else {1: LAYERS}):
             failures.append(f"{tag}: backward head chunks {chunks}")
-        if partial:  # the first N layers offloaded (input, out, lse), the rest kept on the device
+        if any(off for off, _ in layers):
             stats = model.lightseq_offloader.stats
-            if (stats.offloaded_tensors, stats.cache_tensors) != (partial * 3, partial * 2):
-                failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache "
-                                f"{stats.cache_tensors}")
-            if stats.fetch_order != list(range(partial - 1, -1, -1)):
-                failures.append(f"{tag}: fetch order {stats.fetch_order}")
-            if stats.host_bytes_live != 0 or stats.host_buffers_allocated != partial * 3:
-                failures.append(f"{tag}: host buffers live {stats.host_bytes_live}, "
-                                f"allocated {stats.host_buffers_allocated}")
-            loss_again, grads_again, _ = loss_and_grads(model, input_ids=ids, labels=labels)
-            if stats.host_buffers_allocated != partial * 3:  # the second step reuses the pool
-                failures.append(f"{tag}: second step allocated host buffers "
-                                f"({stats.host_buffers_allocated} in all)")
+            failures += _offload_failures(tag, stats, layers)
+            allocated = stats.host_buffers_allocated
+            loss_again, _, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+            if stats.host_buffers_allocated != allocated:  # the second step reuses the pool
+                failures.append(f"{tag}: second step allocated host buffers ({allocated} first)")
             if not torch.equal(loss_again, loss):
                 failures.append(f"{tag}: second step loss {loss_again.item()} vs {loss.item()}")
-        elif offload:
-            stats = model.lightseq_offloader.stats
-            cache = 2 if mode == "remat" else 0
-            if (stats.offloaded_tensors, stats.cache_tensors) != (LAYERS * (1 + cache), LAYERS * cache):
-                failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, from the cache "
-                                f"{stats.cache_tensors}")
-            if stats.fetch_order != list(range(LAYERS - 1, -1, -1)) or stats.prefetched_groups != LAYERS - 1:
-                failures.append(f"{tag}: fetch order {stats.fetch_order}, prefetched "
-                                f"{stats.prefetched_groups}")
     ops.BACKWARD_CHUNK_BYTES = 2**30
     ops.dist_attn_backward = schedule_backward
     lightseq_hf.unpatch_llama()

@@ -131,8 +131,8 @@ def test_planner_matches_committed_gpu_peaks():
 
 def test_memory_options_move_memory():
     """Offload moves the kept tensors to the host (the device keeps the layer in backward and the input
-    of the one below, prefetched), tiling lowers the layer's peak, CPU offload moves the optimizer state; each option
-    lengthens the longest context."""
+    of the one below, prefetched), tiling lowers the layer's peak, CPU offload moves the optimizer
+    state; each option lengthens the longest context."""
     from lightseq_hf.planner import GIB, ModelShape, PlanOptions, longest_context, plan_memory
 
     shape = ModelShape(4096, 11008, 32, 32, 32, 128, 32000)
@@ -206,7 +206,7 @@ def test_config_keys_and_cli_plan(capsys):
 def test_offload_auto_and_partial_offload(capsys):
     """offload_checkpoints N keeps the last layers on the device; ``auto`` picks the fewest layers that fit
     the device (launch: ``resolve_auto_offload``; ``--plan`` prints it) and refuses a host too small."""
-    from lightseq_hf.planner import GIB, ModelShape, PlanOptions, layers_to_offload, plan_memory
+    from lightseq_hf.planner import GIB, ModelShape, OffloadPlan, PlanOptions, layers_to_offload, plan_memory
     from lightseq_hf.training.cli import main
     from lightseq_hf.training.config import ConfigError, load_config
     from lightseq_hf.training.planning import resolve_auto_offload
@@ -230,17 +230,82 @@ def test_offload_auto_and_partial_offload(capsys):
     config = ROOT / "configs/llama2-7b-64k.yaml"
     cfg = load_config(config, ["context_length=589824", "training.tiled_mlp=8192",
                                "training.offload_checkpoints=auto"])
-    assert resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 110 * GIB) == n
-    with pytest.raises(ConfigError, match="do not fit 50 GiB of host memory per rank"):
-        resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 50 * GIB)
+    assert resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 110 * GIB) == OffloadPlan(n, 0)
+    with pytest.raises(ConfigError, match="do not fit 10 GiB of host memory per rank"):
+        resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 10 * GIB)
     argv = [str(config), "context_length=589824", "training.tiled_mlp=8192",
             "training.offload_checkpoints=auto",
             "--plan", "--world", "2", "--gpu-gib", "132", "--host-gib", "110"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert f"offload_checkpoints auto: {n} of 32 layers offloaded at this context" in text
+    assert f"offload_checkpoints auto at this context: {n} of 32 layers offloaded\n" in text
     longest = int(re.search(r"longest context that fits 132 GiB device and 110 GiB host memory per rank: "
                             r"(\d+) tokens", text).group(1))
     assert longest >= 589824  # it trained at 589824 on 2 x H200
     with pytest.raises(ConfigError, match="offload_checkpoints"):
         load_config(config, ["training.offload_checkpoints=-1"])
+
+
+def test_choose_offload_under_budgets(capsys):
+    """``offload_checkpoints: auto`` per layer: with room on the host, no plain recompute and the fewest
+    offloaded layers the device needs; with less host memory, the fewest plain-recompute layers that
+    fit (one fewer fits with no number of offloaded layers), its cost per step said; none when even
+    every layer under plain recompute does not fit. The patch and the YAML take the plan."""
+    from lightseq_hf.checkpoint import OffloadingCheckpoint, route_checkpointing
+    from lightseq_hf.planner import (
+        GIB,
+        ModelShape,
+        OffloadPlan,
+        PlanOptions,
+        choose_offload,
+        fits,
+        plan_memory,
+        recompute_cost,
+    )
+    from lightseq_hf.training.cli import main
+
+    shape = ModelShape(4096, 11008, 32, 32, 32, 128, 32000)
+    opts = PlanOptions(context=786432, sp_size=2, world=2, tiled_mlp=8192)
+
+    def fitting(plan, host=None):
+        return fits(plan_memory(shape, replace(opts, offload_checkpoints=plan)), 132 * GIB,
+                    host and host * GIB)
+
+    roomy = choose_offload(shape, opts, 132 * GIB, 200 * GIB)
+    assert roomy.recompute == 0 and fitting(roomy, 200) and not fitting(OffloadPlan(roomy.layers - 1))
+    tight = choose_offload(shape, opts, 132 * GIB, 110 * GIB)
+    assert tight.recompute > 0 and fitting(tight, 110)
+    assert not fitting(replace(tight, layers=tight.layers - 1))
+    assert not any(fitting(OffloadPlan(n, tight.recompute - 1), 110) for n in range(33))
+    host = plan_memory(shape, replace(opts, offload_checkpoints=tight)).host_bytes_per_token
+    layer = 4096 * 2
+    assert host == tight.recompute * layer + (tight.layers - tight.recompute) * (2 * layer + 32 * 4)
+    assert choose_offload(shape, opts, 132 * GIB, 20 * GIB) is None
+    one = recompute_cost(shape, opts, 1)
+    assert 0 < one < 0.02
+    assert recompute_cost(shape, opts, tight.recompute) == pytest.approx(tight.recompute * one)
+
+    from tiny_models import make_model
+
+    import lightseq_hf
+
+    model = lightseq_hf.patch_model(make_model("llama", layers=3))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    route_checkpointing(model, "remat", OffloadPlan(2, 1))
+    funcs = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    assert [type(f) is OffloadingCheckpoint for f in funcs] == [True, True, False]
+    assert (funcs[0].remat, funcs[1].remat) == (False, True) and funcs[2]._lightseq_remat
+    lightseq_hf.unpatch()
+
+    config = ROOT / "configs/llama2-7b-64k.yaml"
+    argv = [str(config), "context_length=786432", "training.tiled_mlp=8192",
+            "training.offload_checkpoints=auto", "--plan", "--world", "2", "--gpu-gib", "132",
+            "--host-gib", "110"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert (f"offload_checkpoints auto at this context: {tight.layers} of 32 layers offloaded; the first "
+            f"{tight.recompute} keep only their input (plain recompute: {tight.recompute} more attention "
+            "forwards per step") in text
+    argv = [str(config), "training.offload_checkpoints={layers: 2, recompute: 1}", "--plan", "--world", "2"]
+    assert main(argv) == 0
+    assert "offloaded checkpoints" in capsys.readouterr().out

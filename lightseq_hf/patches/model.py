@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from .._values import check_group
-from ..checkpoint import CHECKPOINTING_MODES, check_offload_layers, restore_checkpointing, route_checkpointing
+from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
+from ..planner import OffloadPlan, offload_plan
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
@@ -49,7 +50,7 @@ def patch(
     sp_group: dist.ProcessGroup | None = None,
     checkpointing: str = "remat",
     backend: str = "auto",
-    offload_checkpoints: bool | int = False,
+    offload_checkpoints: bool | int | dict | OffloadPlan = False,
     tiled_mlp: int | None = None,
 ) -> torch.nn.Module | None:
     """Make decoder-only causal LMs of Transformers sequence-parallel; return ``model``.
@@ -64,7 +65,9 @@ def patch(
     enabled. ``backend``: the local attention backend of ``dist_flash_attn``.
     ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
     by Transformers' ``activation_checkpointing_enable(offload=True)``); ``N``: only the first N
-    layers'. ``tiled_mlp``: run the dense MLPs this many tokens at a time
+    layers'; ``{"layers": N, "recompute": R}`` (an :class:`~lightseq_hf.checkpoint.OffloadPlan`): also
+    the first R layers keep only their input (plain recompute), as ``offload_checkpoints: auto``
+    chooses. ``tiled_mlp``: run the dense MLPs and the layers' norms this many tokens at a time
     (:mod:`lightseq_hf.patches.tiled_mlp`; None: untiled).
     """
     _check_transformers()
@@ -76,7 +79,9 @@ def patch(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     check_group(sp_group, "sp_group", "the world, or the groups of init_sequence_parallel")
-    check_offload_layers(offload_checkpoints)
+    plan = offload_plan(offload_checkpoints)  # ValueError for a bad value
+    if not isinstance(offload_checkpoints, (bool, int)):
+        offload_checkpoints = plan
     settings = PatchSettings(sp_group, checkpointing, backend, offload_checkpoints,
                              check_tiled_mlp(tiled_mlp))
     target = _unwrap(model) if model is not None else None

@@ -12,6 +12,7 @@ import torch
 
 from .config import ConfigError, FinetuneConfig
 from .log import logger
+from .planning import offload_value
 
 
 def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torch.nn.Module:
@@ -71,7 +72,7 @@ def check_tokenizer_fits(cfg: FinetuneConfig, tokenizer: Any, vocab_size: int) -
         )
 
 
-def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
+def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> Any:
     """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
     device memory and its share of the host's available memory."""
     offload = cfg.training.offload_checkpoints
@@ -82,16 +83,16 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
     from accelerate.utils import DistributedType
 
     from ..memory import memory_budget
-    from .planning import resolve_auto_offload
+    from .planning import describe_offload, resolve_auto_offload
 
     world = accelerator.num_processes
     sharding = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "replicated"
     gpu, host = memory_budget(accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    layers = resolve_auto_offload(cfg, world, sharding, gpu, host)
+    plan = resolve_auto_offload(cfg, world, sharding, gpu, host)
     if accelerator.is_main_process:
-        logger.info(f"training.offload_checkpoints=auto: {layers} layers' checkpoints in host memory "
+        logger.info(f"training.offload_checkpoints=auto: {describe_offload(cfg, world, sharding, plan)} "
                     f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)")
-    return layers
+    return plan
 
 
 def check_backend_device(backend: str, model: torch.nn.Module) -> None:
@@ -110,13 +111,13 @@ def check_backend_device(backend: str, model: torch.nn.Module) -> None:
 
 
 def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
-                offload: bool | int | None = None) -> torch.nn.Module:
+                offload: Any = None) -> torch.nn.Module:
     """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
     ``training.offload_checkpoints``)."""
     import lightseq_hf
 
     ckpt = cfg.training.checkpointing
-    offload = cfg.training.offload_checkpoints if offload is None else offload
+    offload = offload_value(cfg.training.offload_checkpoints) if offload is None else offload
     check_backend_device(cfg.training.backend, model)
     model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
                                     checkpointing="remat" if ckpt == "none" else ckpt,
