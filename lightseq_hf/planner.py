@@ -165,6 +165,7 @@ class PlanOptions:
     final_norm_in_loss: bool = True  # the final norm runs per chunk inside the fused loss
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: master weights, gradients, optimizer on the host
     optimizer_state: bool = True  # AdamW moments allocated (every step after the first)
+    optimizer: bool = True  # the step ends with AdamW's update (False: forward and backward only)
     loss_chunk: int = 2048
     attention_kernel: str = "sdpa"  # sdpa (cuDNN/flash, GQA repeated) | triton | reference (blockwise)
     allocator: str = "expandable"  # the CUDA caching allocator: expandable segments | default
@@ -284,7 +285,7 @@ def _moments(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, state: dict[
         transients = mlp_backward(d, n, opts.tiled_mlp)
         return {"end of forward (loss)": {**common, **every, **_loss(d, n, opts)},
                 "backward": {**common, **every, **head_grad, **transients},
-                "optimizer step": _optimizer_moment(state)}
+                **({"optimizer step": _optimizer_moment(state)} if opts.optimizer else {})}
     device_kept = Bytes()
     for offloaded, remat in modes:
         if not offloaded:
@@ -308,7 +309,8 @@ def _moments(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, state: dict[
     moments["end of backward"] = {**common, **first,
                                   "gradients (this rank's shard)": state["gradients (this rank's shard)"],
                                   "embedding gradient": state["embedding gradient"]}
-    moments["optimizer step"] = _optimizer_moment(state)
+    if opts.optimizer:
+        moments["optimizer step"] = _optimizer_moment(state)
     return moments
 
 

@@ -10,6 +10,7 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
     "7b": (4096, 11008, 32, 32, 32, 32000),
     "7b-gqa": (4096, 11008, 32, 32, 8, 32000),
     "7b-33h": (4224, 11008, 32, 33, 33, 32000),  # the paper's irregular LLaMA-33H (head dim 128)
+    "8b": (4096, 14336, 32, 32, 8, 128256),  # Llama-3.1-8B (GQA, 128K vocabulary)
     "tiny": (64, 128, 2, 4, 2, 128),
 }
 
@@ -42,11 +43,18 @@ def llama_config(shape: tuple[int, ...], max_len: int):
     )
 
 
-def build_model(shape: tuple[int, ...], max_len: int, device: torch.device):
-    """A randomly initialised ``LlamaForCausalLM`` of ``shape`` on ``device`` (no download)."""
+def build_model(shape: tuple[int, ...], max_len: int, device: torch.device, dtype: torch.dtype | None = None):
+    """A randomly initialised ``LlamaForCausalLM`` of ``shape`` on ``device`` (no download); with ``dtype``
+    its weights are made in that dtype (never held in float32 first)."""
     from transformers import LlamaForCausalLM
 
     config = llama_config(shape, max_len)
-    with device:
-        model = LlamaForCausalLM(config)
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
     return model
