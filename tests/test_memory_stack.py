@@ -415,12 +415,13 @@ def test_final_norm_stays_when_hidden_states_are_asked_for():
     from tiny_models import make_batch, make_model
 
     import lightseq_hf
-    from lightseq_hf.patches.forward import final_norm
+    from lightseq_hf.patches.forward import FinalNormForward, final_norm
 
     ids, labels = make_batch(1, 17, seed=3)
     ref = make_model("llama")(input_ids=ids, labels=labels, output_hidden_states=True)
     model = lightseq_hf.patch_model(make_model("llama"))
-    assert final_norm(model.model) is model.model.norm
+    assert final_norm(model.model) is model.model.norm  # given its forward when the model was adopted
+    assert isinstance(model.model.norm.__dict__["forward"], FinalNormForward)
     rows: list[int] = []
     cls, original = _record_rows(model.model.norm, rows)
     try:
@@ -430,6 +431,8 @@ def test_final_norm_stays_when_hidden_states_are_asked_for():
     assert rows == [17]
     assert rel_err(out.loss, ref.loss) < 1e-6
     assert rel_err(out.hidden_states[-1], ref.hidden_states[-1]) < 1e-6
+    lightseq_hf.unpatch()
+    assert "forward" not in model.model.norm.__dict__ and "_lightseq_final_norm" not in model.model.__dict__
 
 
 def test_head_chunked_backward_on_one_process(monkeypatch):

@@ -16,7 +16,8 @@
   assignment of the hidden states is ``hidden_states = self.<norm>(hidden_states)``) passes its input
   through inside the stack and runs in the loss instead, one chunk at a time, so no normalized copy
   of the whole slice exists; where the norm is not recognized, or the hidden states are asked for,
-  it runs in the stack as usual.
+  it runs in the stack as usual. The norm gets its :class:`FinalNormForward` when the model is
+  adopted, so no forward sets a module's ``forward`` (``torch.compile`` traces these forwards).
 
 Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the
 unpatched
@@ -67,6 +68,7 @@ class PendingSplit:
     hidden: torch.Tensor | None = None  # the decoder's sharded final hidden states (fused loss)
     loss_calls: list = field(default_factory=list)
     final_norm: torch.nn.Module | None = None  # run inside the fused loss instead of the decoder stack
+    norm_calls: list = field(default_factory=list)  # the final norm's calls that passed their input through
 
 
 CACHE_NAMES = ("cache", "past_key_values")  # Transformers 5.24 renamed past_key_values to cache
@@ -172,18 +174,19 @@ def make_decoder_forward(original, architecture_of):
             self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
             layer_kinds=arch.layer_kinds)
         token = ACTIVE_MODEL.set(arch.model_type)
-        norm = pending.final_norm if pending is not None else None
+        if pending is not None and pending.final_norm is not None:
+            self.__dict__["_lightseq_norm_in_loss"] = pending  # FinalNormForward passes its input through
         try:
-            with passed_through(norm) as norm_calls:
-                outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
-                                   attention_mask=None, position_ids=split.position_ids, use_cache=False,
-                                   lightseq_sp=split.context, return_dict=True, **kwargs)
+            outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
+                               attention_mask=None, position_ids=split.position_ids, use_cache=False,
+                               lightseq_sp=split.context, return_dict=True, **kwargs)
         finally:
             ACTIVE_MODEL.reset(token)
-        if norm is not None and norm_calls != [1]:
+            self.__dict__.pop("_lightseq_norm_in_loss", None)
+        if pending is not None and pending.final_norm is not None and len(pending.norm_calls) != 1:
             raise RuntimeError(f"{arch.model_type}: the decoder stack called its final norm "
-                               f"{len(norm_calls)} times, not once at its end; lightseq_hf cannot move it "
-                               "into the loss. Report the model type.")
+                               f"{len(pending.norm_calls)} times, not once at its end; lightseq_hf cannot "
+                               "move it into the loss. Report the model type.")
         if getattr(outputs, "router_logits", None) is not None:
             outputs.router_logits = gather_router_logits(outputs.router_logits, split)
         if pending is None or pending.gather:
@@ -251,7 +254,9 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
                         layer_kinds=arch.layer_kinds)
     mode = ("fused" if arch.fused_head else "shard") if shifted is not None else layout
     wants_states = kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False))
-    norm = final_norm(decoder) if mode == "fused" and not wants_states else None
+    norm = decoder.__dict__.get("_lightseq_final_norm") if mode == "fused" and not wants_states else None
+    if norm is not None and (norm._forward_hooks or norm._forward_pre_hooks):
+        norm = None  # a unit of its own (FSDP): its parameters are the hooks' to gather, in its own call
     pending = PendingSplit(split, gather=mode == "full", final_norm=norm)
     if mode == "full":  # the model's own head and loss on the whole sequence, as unpatched
         given_labels = labels
@@ -338,13 +343,15 @@ def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
 def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
     """The decoder stack's final norm, when its forward's last assignment of ``hidden_states`` is
     ``hidden_states = self.<name>(hidden_states)`` at the top level of the function, and that module is
-    a norm (its class name says so, its parameters are vectors) called without hooks; else None."""
+    a norm (its class name says so, its parameters are vectors) called without hooks or a forward of
+    its own (other than :class:`FinalNormForward`); else None."""
     name = _final_norm_name(type(decoder))
     module = getattr(decoder, name, None) if name else None
     if not isinstance(module, torch.nn.Module) or "norm" not in type(module).__name__.lower():
         return None
-    if ("forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks
-            or any(p.dim() > 1 for p in module.parameters())):
+    own = module.__dict__.get("forward")
+    if ((own is not None and not isinstance(own, FinalNormForward)) or module._forward_hooks
+            or module._forward_pre_hooks or any(p.dim() > 1 for p in module.parameters())):
         return None
     return module
 
@@ -372,23 +379,39 @@ def _final_norm_name(decoder_cls: type) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def passed_through(norm: torch.nn.Module | None):
-    """Within the context a call of ``norm`` returns its input (recorded in the yielded list)."""
-    calls: list[int] = []
-    if norm is None:
-        yield calls
-        return
+class FinalNormForward:
+    """The decoder stack's final norm's ``forward`` (an instance attribute): the norm's own, except
+    inside a patched forward that runs it in the fused loss, where it returns its input (and records
+    the call in the split's ``norm_calls``)."""
 
-    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        calls.append(1)
-        return hidden_states
+    def __init__(self, norm: torch.nn.Module, decoder: torch.nn.Module) -> None:
+        self.norm = norm
+        self.decoder = decoder
 
-    norm.forward = forward
-    try:
-        yield calls
-    finally:
-        del norm.forward
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        pending = self.decoder.__dict__.get("_lightseq_norm_in_loss")
+        if pending is not None and not args and not kwargs:
+            pending.norm_calls.append(1)
+            return hidden_states
+        return type(self.norm).forward(self.norm, hidden_states, *args, **kwargs)
+
+
+def install_final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
+    """Give the decoder stack's final norm its :class:`FinalNormForward`, and the stack a reference to
+    it (None when the norm is not recognized)."""
+    norm = final_norm(decoder)
+    if norm is not None:
+        norm.forward = FinalNormForward(norm, decoder)
+    decoder.__dict__["_lightseq_final_norm"] = norm
+    return norm
+
+
+def remove_final_norm(model: torch.nn.Module) -> None:
+    """Give every final norm of ``model`` its own forward back."""
+    for module in model.modules():
+        module.__dict__.pop("_lightseq_final_norm", None)
+        if isinstance(module.__dict__.get("forward"), FinalNormForward):
+            del module.forward
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

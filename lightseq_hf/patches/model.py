@@ -32,7 +32,13 @@ from ..planner import OffloadPlan, offload_plan
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
-from .forward import make_causal_lm_forward, make_decoder_forward, warn_once
+from .forward import (
+    install_final_norm,
+    make_causal_lm_forward,
+    make_decoder_forward,
+    remove_final_norm,
+    warn_once,
+)
 from .state import ATTN_IMPLEMENTATION, PatchSettings
 from .tiled_mlp import apply_tiled_mlp, check_tiled_mlp, remove_tiled_mlp
 
@@ -115,6 +121,7 @@ def unpatch() -> None:
             model.config._attn_implementation = fallback
         restore_checkpointing(model)
         remove_tiled_mlp(model)
+        remove_final_norm(model)
         for name in ("_lightseq_settings", "_lightseq_fallback_attn", "_lightseq_arch"):
             model.__dict__.pop(name, None)
     _adopted.clear()
@@ -261,6 +268,9 @@ def _adopt(model: torch.nn.Module, settings: PatchSettings, arch: Architecture) 
                        arch.model_type, arch.head_extras)
     route_checkpointing(model, settings.checkpointing, settings.offload_checkpoints)
     apply_tiled_mlp(model, settings.tiled_mlp)
+    decoder = decoder_stack(model) if is_causal_lm(model) else model
+    if decoder is not None and "_lightseq_final_norm" not in decoder.__dict__:
+        install_final_norm(decoder)
     _adopted.update(_members(model))
 
 
