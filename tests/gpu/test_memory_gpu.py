@@ -57,8 +57,11 @@ def worker(rank, world):
 
     ref_loss, ref_grads, _ = loss_and_grads(model(), input_ids=ids, labels=labels)
     lightseq_hf.patch_llama()
-    # (offload_checkpoints, tiled_mlp, backward chunk bytes -> expected chunks)
-    for offload, tile, chunk_bytes, chunks in [(True, 512, 2**30, 1), (2, None, 1, 4), (False, 256, 1, 4)]:
+    # (offload_checkpoints, tiled_mlp, backward chunk bytes -> expected chunks); the mapping: layers 0-2
+    # offloaded, layer 0 under plain recompute (its input only)
+    cases = [(True, 512, 2**30, 1), (2, None, 1, 4), (False, 256, 1, 4),
+             ({"layers": LAYERS, "recompute": 1}, 512, 2**30, 1)]
+    for offload, tile, chunk_bytes, chunks in cases:
         tag = f"offload {offload} tiled {tile} chunks {chunks}"
         ops.BACKWARD_CHUNK_BYTES = chunk_bytes
         backward_heads.clear()
@@ -77,8 +80,11 @@ def worker(rank, world):
                 failures.append(f"{tag} step {step}: gradient of {worst[1]} rel err {worst[0]:.2e}")
             if step == 0 and offload:
                 stats = m.lightseq_offloader.stats
-                layers = LAYERS if offload is True else offload
-                if (stats.offloaded_tensors, stats.cache_tensors) != (3 * layers, 2 * layers):
+                every = LAYERS if offload is True else offload
+                plan = offload if isinstance(offload, dict) else {"layers": every}
+                layers, plain = plan["layers"], plan.get("recompute", 0)
+                want = (3 * layers - 2 * plain, 2 * (layers - plain))  # plain recompute: the input only
+                if (stats.offloaded_tensors, stats.cache_tensors) != want:
                     failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, "
                                     f"cache {stats.cache_tensors}")
                 if stats.fetch_order != list(range(layers - 1, -1, -1)):
