@@ -11,13 +11,15 @@ gradients are those of no checkpointing.
 With offload (``route_checkpointing(..., offload=True)``, or Transformers'
 ``activation_checkpointing_enable(offload=True)``), what each checkpointed layer keeps — its input
 and, under remat, the attention's (out, lse) — lives in pinned host memory, copied on a side stream
-and prefetched one layer ahead in backward (:mod:`lightseq_hf.offload`).
+and prefetched one layer ahead in backward (:mod:`lightseq_hf.offload`). An :class:`OffloadPlan`
+chooses per layer: which layers offload, and which keep only their input (plain recompute: the
+attention forward runs again in backward, for half of what remat keeps per token).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .offload import CheckpointOffloader
 from .parallel import ops as _ops  # noqa: F401  (registers torch.ops.lightseq_hf.*)
+from .planner import OffloadPlan, offload_plan
 
 CHECKPOINTING_MODES = ("remat", "hf")
 
@@ -138,20 +141,13 @@ def _checkpoints_itself(module: torch.nn.Module) -> bool:
     return isinstance(module, GradientCheckpointingLayer)
 
 
-def check_offload_layers(offload: bool | int) -> int | None:
-    """Layers to offload for an ``offload_checkpoints`` value: ``True`` every one, ``False`` none
-    (None), ``N`` the first N."""
-    if offload is True:
-        return 2**31
-    if offload is False or offload is None:
-        return None
-    if isinstance(offload, int) and not isinstance(offload, bool) and offload >= 0:
-        return offload
-    raise ValueError(f"offload_checkpoints={offload!r}: use True (every layer), False, or a number of layers "
-                     "N >= 0 (the first N decoder layers keep their checkpoints in host memory).")
+def check_offload_layers(offload: bool | int | Mapping | OffloadPlan | None) -> int | None:
+    """Layers to offload for an ``offload_checkpoints`` value (None: none); ValueError for a bad one."""
+    return offload_plan(offload).layers or None
 
 
-def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool | int = False) -> int:
+def route_checkpointing(model: torch.nn.Module, mode: str,
+                        offload: bool | int | Mapping | OffloadPlan = False) -> int:
     """Make every checkpointed module of ``model`` use ``mode`` ("remat" or "hf"); return how many.
 
     Modules without gradient checkpointing enabled are left alone: enabling it stays the user's
@@ -160,14 +156,15 @@ def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool | int =
     Transformers built with ``offload=True``) keeps what the layers save in host memory through one
     :class:`~lightseq_hf.offload.CheckpointOffloader` per model (``model.lightseq_offloader``);
     an integer ``N`` offloads the first N checkpointed layers only (the last ones, which backward
-    needs first, keep theirs on the device).
+    needs first, keep theirs on the device); an :class:`OffloadPlan` (or its mapping) also runs its
+    first ``recompute`` layers under plain recompute.
     """
     if mode not in CHECKPOINTING_MODES:
         raise ValueError(
             f"checkpointing={mode!r} is not supported; choose 'remat' (rematerialization-aware, the "
             "default) or 'hf' (Hugging Face's layer checkpointing, for comparison)."
         )
-    layers_to_offload = check_offload_layers(offload)
+    plan = offload_plan(offload)
     count = layer_index = 0
     for module in model.modules():
         func = getattr(module, "_gradient_checkpointing_func", None)
@@ -176,7 +173,8 @@ def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool | int =
         base = as_hf(func)
         parts = hf_checkpoint_parts(base)
         wanted = ((parts is not None and parts[1])  # Transformers' offload=True: every layer
-                  or (layers_to_offload is not None and layer_index < layers_to_offload))
+                  or layer_index < plan.layers)
+        remat = mode == "remat" and layer_index >= plan.recompute
         layer_index += _checkpoints_itself(module)
         if wanted:
             if parts is None:
@@ -188,9 +186,8 @@ def route_checkpointing(model: torch.nn.Module, mode: str, offload: bool | int =
             offloader = model.__dict__.get("lightseq_offloader")
             if offloader is None:
                 offloader = model.__dict__["lightseq_offloader"] = CheckpointOffloader()
-            module._gradient_checkpointing_func = OffloadingCheckpoint(base, parts[0], mode == "remat",
-                                                                       offloader)
+            module._gradient_checkpointing_func = OffloadingCheckpoint(base, parts[0], remat, offloader)
         else:
-            module._gradient_checkpointing_func = as_remat(base) if mode == "remat" else base
+            module._gradient_checkpointing_func = as_remat(base) if remat else base
         count += 1
     return count

@@ -10,9 +10,12 @@ checkpointing holds in its cache. :class:`CheckpointOffloader` moves both to hos
   orders the two; ``record_stream`` keeps the allocator from reusing the device memory before the
   copy ends). Every checkpoint call is one *group*, numbered in forward order.
 * backward: the first unpack of group ``k`` (the recompute of layer ``k`` starts by unpacking its
-  input) waits for group ``k``'s host-to-device copies, puts the cached attention tensors back into
-  the selective-checkpoint cache, and starts copying group ``k - 1`` on the side stream, so the
-  next layer's tensors arrive while this layer recomputes and differentiates.
+  input) waits for group ``k``'s input, starts copying its cached attention tensors and starts
+  copying group ``k - 1``'s input on the side stream, so the next layer's input arrives while this
+  layer recomputes and differentiates. The attention tensors go back into the selective-checkpoint
+  cache at once, and the compute stream waits for their copy only where the recompute reaches the
+  attention (the cache entry's first read): the norm and projections before it overlap the copy. So
+  the device holds, beyond the layer in backward, one layer's input in flight.
 
 Host buffers come from a :class:`HostBufferPool`: exact sizes, pinned once with
 ``cudaHostRegister`` and reused every step. (torch's pinned allocator rounds each request up to a
@@ -50,7 +53,10 @@ class OffloadStats:
     kept_tensors: int = 0  # too small, parameters, or not dense: kept on the device
     cache_tensors: int = 0  # of the offloaded, those taken from the selective-checkpoint cache
     prefetched_groups: int = 0  # fetched ahead, before their own unpack
-    fetch_order: list = field(default_factory=list)  # group ids in the order backward first used them
+    prefetched_bytes_peak: int = 0  # the most bytes on the device for groups whose backward has not begun
+    # group ids in the order the last backward first used them (the list starts again with each step's
+    # first forward, so it stays one step long)
+    fetch_order: list = field(default_factory=list)
     host_bytes_peak: int = 0
     host_bytes_live: int = 0
     host_bytes_reserved: int = 0  # the pool's buffers, in use or free (pinned for the process)
@@ -168,6 +174,8 @@ class CheckpointOffloader:
         self._streams: dict[torch.device, Any] = {}
         self._pools: dict[str, HostBufferPool] = {}
         self._warned = False
+        self._fetched_since_forward = False
+        self._prefetched_bytes = 0
 
     def pool(self, device: torch.device | None) -> HostBufferPool | None:
         """The host buffer pool for tensors of ``device`` (pinned for CUDA; None for host tensors)."""
@@ -188,6 +196,9 @@ class CheckpointOffloader:
     @contextlib.contextmanager
     def group(self) -> Iterator[_Group]:
         """Open a group: tensors saved inside go to host memory (and come back in backward)."""
+        if self._fetched_since_forward:  # the first forward group of a new step
+            self.stats.fetch_order.clear()
+            self._fetched_since_forward = False
         group = _Group(self._next_index)
         self._next_index += 1
         self._groups[group.index] = group
@@ -289,32 +300,64 @@ class CheckpointOffloader:
         return tensor
 
     def _fetch(self, group: _Group, *, prefetch: bool) -> None:
-        """Start the group's host-to-device copies; unless ``prefetch``, also wait for them and refill
-        the selective-checkpoint cache."""
+        """Prefetch: start copying the group's saved inputs. Else: wait for those, start copying the
+        tensors of its selective-checkpoint cache and hand them back to the cache (read once copied)."""
         slots = [s for s in (ref() for ref in group.slots) if s is not None]
         if prefetch:
             for slot in slots:
-                if slot.host is not None and slot.h2d_done is None and slot.device_tensor is None:
+                if (slot.cache_entry is None and slot.host is not None and slot.h2d_done is None
+                        and slot.device_tensor is None):
                     self._copy_in(slot, wait=False)
+                    self._prefetched_bytes += slot.host.numel() * slot.host.element_size()
+            self.stats.prefetched_bytes_peak = max(self.stats.prefetched_bytes_peak, self._prefetched_bytes)
             self.stats.prefetched_groups += 1
             group.state = _Group.PREFETCHING  # copies in flight; the group's own unpack completes it
             return
+        if group.state == _Group.PREFETCHING:
+            self._prefetched_bytes -= sum(slot.host.numel() * slot.host.element_size() for slot in slots
+                                          if slot.cache_entry is None and slot.host is not None)
         group.state = _Group.FETCHED
         self.stats.fetch_order.append(group.index)
+        self._fetched_since_forward = True
         for slot in slots:
             if slot.host is not None and slot.device_tensor is None:
                 self._copy_in(slot, wait=False)
-            if slot.h2d_done is not None:
+            if slot.cache_entry is not None:
+                self._hand_to_cache(slot)
+            elif slot.h2d_done is not None:
                 torch.cuda.current_stream(slot.device).wait_event(slot.h2d_done)
                 slot.device_tensor.record_stream(torch.cuda.current_stream(slot.device))
                 slot.h2d_done = None
-            if slot.cache_entry is not None:
-                entry = slot.cache_entry
-                entry.val = slot.device_tensor
-                if getattr(entry, "version", None) is not None:
-                    entry.version = slot.device_tensor._version
-                slot.cache_entry = None
-                slot.device_tensor = None  # the cache holds it now, until the recompute consumes it
+
+    @staticmethod
+    def _hand_to_cache(slot: _Slot) -> None:
+        """Put the slot's device tensor back into its selective-checkpoint cache entry. While its copy
+        may still run, the entry's first read makes the compute stream wait for it (a wrapper class
+        without ``get_val`` gets the wait now)."""
+        entry, tensor, done = slot.cache_entry, slot.device_tensor, slot.h2d_done
+        entry.val = tensor
+        if getattr(entry, "version", None) is not None:
+            entry.version = tensor._version
+        if done is not None:
+            def wait_for_copy() -> None:
+                current = torch.cuda.current_stream(tensor.device)
+                current.wait_event(done)
+                tensor.record_stream(current)
+
+            read = getattr(type(entry), "get_val", None)
+            if read is None:
+                wait_for_copy()
+            else:
+                entry_ref = weakref.ref(entry)  # no cycle through the entry's own attribute
+
+                def get_val(*args: Any, **kwargs: Any) -> Any:
+                    this = entry_ref()
+                    del this.get_val  # the class's method again
+                    wait_for_copy()
+                    return read(this, *args, **kwargs)
+
+                entry.get_val = get_val
+        slot.cache_entry = slot.device_tensor = slot.h2d_done = None  # the cache holds it now
 
     def _copy_in(self, slot: _Slot, *, wait: bool) -> torch.Tensor:
         host = slot.host

@@ -189,7 +189,7 @@ def dist_attn_bwd(
         return dist_attn_backward(dout, q, k, v, out, lse, dlse=dlse, scale=scale, schedule=plan, rank=rank,
                                   comm=comm, kernel=kernel, masks=masks)
 
-    chunks = backward_chunks(q.numel(), k.shape[2]) if world > 1 else 1
+    chunks = backward_chunks(q.numel(), k.shape[2])
     if chunks == 1:
         return backward(dout, q, k, v, out, lse, dlse)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

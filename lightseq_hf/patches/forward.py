@@ -12,6 +12,12 @@
   (``logits = self.lm_head(...)``) takes the fused chunked loss (no full-vocabulary logits of the
   slice); a head with extras (soft-capping, logit scaling) computes the slice's logits itself and
   the loss is taken from them. The model's own code adds what it adds (the router aux loss).
+* With the fused loss, the decoder stack's final norm (:func:`final_norm`: its forward's last
+  assignment of the hidden states is ``hidden_states = self.<norm>(hidden_states)``) passes its input
+  through inside the stack and runs in the loss instead, one chunk at a time, so no normalized copy
+  of the whole slice exists; where the norm is not recognized, or the hidden states are asked for,
+  it runs in the stack as usual. The norm gets its :class:`FinalNormForward` when the model is
+  adopted, so no forward sets a module's ``forward`` (``torch.compile`` traces these forwards).
 
 Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the
 unpatched model on every rank, unsharded; so does every call under :func:`.state.as_unpatched` (the
@@ -20,6 +26,7 @@ parity check's reference).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
@@ -38,7 +45,7 @@ from ..parallel.sharding import (
     shift_labels,
     take_shard,
 )
-from .architectures import MEDIA_WORDS, Architecture, decoder_stack
+from .architectures import MEDIA_WORDS, Architecture, _forward_tree, decoder_stack
 from .attention import ACTIVE_MODEL
 from .batch import SplitBatch, split_batch
 from .state import ATTN_IMPLEMENTATION, PatchSettings, running_unpatched, settings_of
@@ -60,6 +67,8 @@ class PendingSplit:
     gather: bool  # gather the final hidden states (the head then runs on the whole sequence)
     hidden: torch.Tensor | None = None  # the decoder's sharded final hidden states (fused loss)
     loss_calls: list = field(default_factory=list)
+    final_norm: torch.nn.Module | None = None  # run inside the fused loss instead of the decoder stack
+    norm_calls: list = field(default_factory=list)  # the final norm's calls that passed their input through
 
 
 CACHE_NAMES = ("cache", "past_key_values")  # Transformers 5.24 renamed past_key_values to cache
@@ -166,12 +175,19 @@ def make_decoder_forward(original, architecture_of):
             self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
             layer_kinds=arch.layer_kinds)
         token = ACTIVE_MODEL.set(arch.model_type)
+        if pending is not None and pending.final_norm is not None:
+            self.__dict__["_lightseq_norm_in_loss"] = pending  # FinalNormForward passes its input through
         try:
             outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
                                attention_mask=None, position_ids=split.position_ids, use_cache=False,
                                lightseq_sp=split.context, return_dict=True, **kwargs)
         finally:
             ACTIVE_MODEL.reset(token)
+            self.__dict__.pop("_lightseq_norm_in_loss", None)
+        if pending is not None and pending.final_norm is not None and len(pending.norm_calls) != 1:
+            raise RuntimeError(f"{arch.model_type}: the decoder stack called its final norm "
+                               f"{len(pending.norm_calls)} times, not once at its end; lightseq_hf cannot "
+                               "move it into the loss. Report the model type.")
         if getattr(outputs, "router_logits", None) is not None:
             outputs.router_logits = gather_router_logits(outputs.router_logits, split)
         if pending is None or pending.gather:
@@ -239,7 +255,11 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
                         inputs["attention_mask"], inputs["position_ids"], kwargs, shifted_labels=shifted,
                         layer_kinds=arch.layer_kinds)
     mode = ("fused" if arch.fused_head else "shard") if shifted is not None else layout
-    pending = PendingSplit(split, gather=mode == "full")
+    wants_states = kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False))
+    norm = decoder.__dict__.get("_lightseq_final_norm") if mode == "fused" and not wants_states else None
+    if norm is not None and (norm._forward_hooks or norm._forward_pre_hooks):
+        norm = None  # a unit of its own (FSDP): its parameters are the hooks' to gather, in its own call
+    pending = PendingSplit(split, gather=mode == "full", final_norm=norm)
     if mode == "full":  # the model's own head and loss on the whole sequence, as unpatched
         given_labels = labels
         kwargs.update({k: v for k, v in (("shift_labels", kwargs_shift), ("num_items_in_batch", num_items))
@@ -280,7 +300,7 @@ def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: 
     if mode == "full":
         return logits
     if mode == "fused":  # the head call was the loss; logits for evaluation with labels come now
-        hidden = pending.hidden
+        hidden = pending.hidden if pending.final_norm is None else pending.final_norm(pending.hidden)
         head = model.get_output_embeddings()
         if layout == "shard":
             return head(hidden[:, :shard.real_end - shard.start])
@@ -316,7 +336,84 @@ def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
     if mode != "fused":
         return loss_function, contextlib.nullcontext()
     head = model.get_output_embeddings()
-    return loss_function, fused_head(head, local_labels, model.config.vocab_size, LOSS_CHUNK_TOKENS)
+    count = num_items if num_items is not None else num_loss_tokens(shifted)
+    scale = 1 / torch.as_tensor(count).clamp(min=1).double()  # the loss divides the group's sum by it
+    return loss_function, fused_head(head, local_labels, model.config.vocab_size, LOSS_CHUNK_TOKENS,
+                                     pending.final_norm, scale)
+
+
+def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
+    """The decoder stack's final norm, when its forward's last assignment of ``hidden_states`` is
+    ``hidden_states = self.<name>(hidden_states)`` at the top level of the function, and that module is
+    a norm (its class name says so, its parameters are vectors) called without hooks or a forward of
+    its own (other than :class:`FinalNormForward`); else None."""
+    name = _final_norm_name(type(decoder))
+    module = getattr(decoder, name, None) if name else None
+    if not isinstance(module, torch.nn.Module) or "norm" not in type(module).__name__.lower():
+        return None
+    own = module.__dict__.get("forward")
+    if ((own is not None and not isinstance(own, FinalNormForward)) or module._forward_hooks
+            or module._forward_pre_hooks or any(p.dim() > 1 for p in module.parameters())):
+        return None
+    return module
+
+
+@functools.cache
+def _final_norm_name(decoder_cls: type) -> str | None:
+    tree = _forward_tree(decoder_cls)
+    if tree is None:
+        return None
+    kinds = (ast.Assign, ast.AugAssign, ast.AnnAssign)
+    assigned = [node for node in ast.walk(tree) if isinstance(node, kinds)
+                and any(isinstance(t, ast.Name) and t.id == "hidden_states"
+                        for t in (node.targets if isinstance(node, ast.Assign) else [node.target]))]
+    if not assigned:
+        return None
+    last = max(assigned, key=lambda node: node.lineno)
+    value = last.value
+    if (last not in tree.body or not isinstance(last, ast.Assign) or len(last.targets) != 1
+            or not isinstance(value, ast.Call) or value.keywords or len(value.args) != 1):
+        return None
+    func, arg = value.func, value.args[0]
+    if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self"
+            and isinstance(arg, ast.Name) and arg.id == "hidden_states"):
+        return func.attr
+    return None
+
+
+class FinalNormForward:
+    """The decoder stack's final norm's ``forward`` (an instance attribute): the norm's own, except
+    inside a patched forward that runs it in the fused loss, where it returns its input (and records
+    the call in the split's ``norm_calls``)."""
+
+    def __init__(self, norm: torch.nn.Module, decoder: torch.nn.Module) -> None:
+        self.norm = norm
+        self.decoder = decoder
+
+    def __call__(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        pending = self.decoder.__dict__.get("_lightseq_norm_in_loss")
+        if pending is not None and not args and not kwargs:
+            pending.norm_calls.append(1)
+            return hidden_states
+        return type(self.norm).forward(self.norm, hidden_states, *args, **kwargs)
+
+
+def install_final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
+    """Give the decoder stack's final norm its :class:`FinalNormForward`, and the stack a reference to
+    it (None when the norm is not recognized)."""
+    norm = final_norm(decoder)
+    if norm is not None:
+        norm.forward = FinalNormForward(norm, decoder)
+    decoder.__dict__["_lightseq_final_norm"] = norm
+    return norm
+
+
+def remove_final_norm(model: torch.nn.Module) -> None:
+    """Give every final norm of ``model`` its own forward back."""
+    for module in model.modules():
+        module.__dict__.pop("_lightseq_final_norm", None)
+        if isinstance(module.__dict__.get("forward"), FinalNormForward):
+            del module.forward
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

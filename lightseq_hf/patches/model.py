@@ -26,13 +26,20 @@ import torch
 import torch.distributed as dist
 
 from .._values import check_group
-from ..checkpoint import CHECKPOINTING_MODES, check_offload_layers, restore_checkpointing, route_checkpointing
+from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
 from ..parallel.groups import check_launched
+from ..planner import OffloadPlan, offload_plan
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
-from .forward import make_causal_lm_forward, make_decoder_forward, warn_once
+from .forward import (
+    install_final_norm,
+    make_causal_lm_forward,
+    make_decoder_forward,
+    remove_final_norm,
+    warn_once,
+)
 from .state import ATTN_IMPLEMENTATION, PatchSettings
 from .tiled_mlp import apply_tiled_mlp, check_tiled_mlp, remove_tiled_mlp
 
@@ -50,7 +57,7 @@ def patch(
     sp_group: dist.ProcessGroup | None = None,
     checkpointing: str = "remat",
     backend: str = "auto",
-    offload_checkpoints: bool | int = False,
+    offload_checkpoints: bool | int | dict | OffloadPlan = False,
     tiled_mlp: int | None = None,
 ) -> torch.nn.Module | None:
     """Make decoder-only causal LMs of Transformers sequence-parallel; return ``model``.
@@ -67,7 +74,9 @@ def patch(
     local attention backend of ``dist_flash_attn``.
     ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
     by Transformers' ``activation_checkpointing_enable(offload=True)``); ``N``: only the first N
-    layers'. ``tiled_mlp``: run the dense MLPs this many tokens at a time
+    layers'; ``{"layers": N, "recompute": R}`` (an :class:`~lightseq_hf.checkpoint.OffloadPlan`): also
+    the first R layers keep only their input (plain recompute), as ``offload_checkpoints: auto``
+    chooses. ``tiled_mlp``: run the dense MLPs and the layers' norms this many tokens at a time
     (:mod:`lightseq_hf.patches.tiled_mlp`; None: untiled).
     """
     _check_transformers()
@@ -79,7 +88,9 @@ def patch(
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     check_group(sp_group, "sp_group", "the world, or the groups of init_sequence_parallel")
-    check_offload_layers(offload_checkpoints)
+    plan = offload_plan(offload_checkpoints)  # ValueError for a bad value
+    if not isinstance(offload_checkpoints, (bool, int)):
+        offload_checkpoints = plan
     if model is not None and sp_group is None:
         check_launched("lightseq_hf.patch(model)")
     settings = PatchSettings(sp_group, checkpointing, backend, offload_checkpoints,
@@ -115,6 +126,7 @@ def unpatch() -> None:
             model.config._attn_implementation = fallback
         restore_checkpointing(model)
         remove_tiled_mlp(model)
+        remove_final_norm(model)
         for name in ("_lightseq_settings", "_lightseq_fallback_attn", "_lightseq_arch"):
             model.__dict__.pop(name, None)
     _adopted.clear()
@@ -261,6 +273,9 @@ def _adopt(model: torch.nn.Module, settings: PatchSettings, arch: Architecture) 
                        arch.model_type, arch.head_extras)
     route_checkpointing(model, settings.checkpointing, settings.offload_checkpoints)
     apply_tiled_mlp(model, settings.tiled_mlp)
+    decoder = decoder_stack(model) if is_causal_lm(model) else model
+    if decoder is not None and "_lightseq_final_norm" not in decoder.__dict__:
+        install_final_norm(decoder)
     _adopted.update(_members(model))
 
 

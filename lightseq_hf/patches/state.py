@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ class PatchSettings:
     checkpointing: str
     backend: str
     # memory options: checkpoint offload to host memory; MLP tokens per tile (None: untiled)
-    offload_checkpoints: bool | int = False  # True: every layer; N: the first N
+    offload_checkpoints: bool | int | Any = False  # True: every layer; N: the first N; or an OffloadPlan
     tiled_mlp: int | None = None
 
 

@@ -1,23 +1,28 @@
-"""Sequence-tiled MLP for the dense MLPs of decoder layers (linear projections and an activation).
+"""Sequence tiling of the token-wise modules of decoder layers: the dense MLPs and the norms.
 
 An MLP of ``tokens x hidden`` input makes ``tokens x intermediate`` activations (gate, up, the
 activation and the product: about 4x the hidden state at Llama's 2.7x expansion), in the forward
-and again in the backward's recompute. :class:`TiledMLPFunction` runs the module on ``tile``
-tokens at a time (each tile a batch of one sequence): the forward without autograd, the backward
-recomputing each tile's forward and differentiating it at once, so at most one tile's intermediate
-activations are alive. The result is the untiled MLP's (token rows are independent); parameter
-gradients are summed over the tiles in float32 (float64 for float64 weights) and cast once.
+and again in the backward's recompute; a norm keeps a float32 copy of its input and its normalized
+output (three hidden states' worth in bf16). :class:`TiledFunction` runs such a module on ``tile``
+tokens at a time (each tile a batch of one sequence): the forward without autograd, keeping only the
+input, the backward recomputing each tile's forward and differentiating it at once, so at most one
+tile's activations are alive (the first norm of a layer then keeps nothing: its input is the layer
+input checkpointing keeps anyway). The result is the untiled module's (token rows are independent);
+parameter gradients are summed over the tiles in float32 (float64 for float64 weights) and cast once.
 
-The module's own ``forward`` runs per tile, so wrapped projections (PEFT's LoRA layers) work too.
+The module's own ``forward`` runs per tile, so wrapped projections (PEFT's LoRA layers) and any norm
+(Llama's RMSNorm, Gemma's (1 + w) one, LayerNorm, per-head q/k norms) work too.
 :func:`apply_tiled_mlp` installs it on a model's dense MLPs (:func:`layer_mlps`: the feed-forward
-module of each decoder layer whose parameters all belong to two or more linear layers);
-mixture-of-experts blocks and other feed-forwards stay untiled, with a logged note.
-:func:`remove_tiled_mlp` takes it away.
+module of each decoder layer whose parameters all belong to two or more linear layers) and norms
+(:func:`layer_norms`); mixture-of-experts blocks and other feed-forwards stay untiled, with a logged
+note, and so does any module called with more than its input. :func:`remove_tiled_mlp` takes it away.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 
 import torch
 
@@ -32,9 +37,10 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-class TiledMLPFunction(torch.autograd.Function):
-    """``module(x)`` a ``tile`` of tokens at a time; ``params`` are the module's trainable parameters
-    (passed so that autograd hands their gradients to the optimizer, DDP and FSDP as usual)."""
+class TiledFunction(torch.autograd.Function):
+    """``module(x)`` a ``tile`` of rows (of ``x`` flattened to its last dimension) at a time; ``params``
+    are the module's trainable parameters (passed so that autograd hands their gradients to the
+    optimizer, DDP and FSDP as usual)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, module: torch.nn.Module, tile: int, *params: torch.Tensor):
@@ -83,22 +89,24 @@ class TiledMLPFunction(torch.autograd.Function):
 
 
 class TiledForward:
-    """An MLP's ``forward`` replaced by the tiled one (installed as an instance attribute)."""
+    """A token-wise module's ``forward`` replaced by the tiled one (installed as an instance attribute)."""
 
     def __init__(self, module: torch.nn.Module, tile: int) -> None:
         self.module_ref = module
         self.tile = tile
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         module = self.module_ref
-        tokens = x.numel() // x.shape[-1]
-        if tokens <= self.tile:
-            return type(module).forward(module, x)
+        per_token = math.prod(x.shape[2:-1])  # rows per token: heads, for a (batch, seq, heads, dim) input
+        tokens = x.numel() // x.shape[-1] // max(per_token, 1)
+        if tokens <= self.tile or args or kwargs:  # short, or called with more than its input
+            return type(module).forward(module, x, *args, **kwargs)
+        rows = self.tile * per_token
         params = [p for p in module.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():
-                return TiledMLPFunction.forward(_NoCtx(), x, module, self.tile)
-        return TiledMLPFunction.apply(x, module, self.tile, *params)
+                return TiledFunction.forward(_NoCtx(), x, module, rows)
+        return TiledFunction.apply(x, module, rows, *params)
 
 
 class _NoCtx:
@@ -160,6 +168,28 @@ def layer_mlps(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[str]
     return dense, other
 
 
+def _is_norm(module: torch.nn.Module) -> bool:
+    """A normalization over the last dimension: "norm" in its class name, vector parameters only, a
+    forward taking one tensor (batch, group and instance norms normalize over other dimensions)."""
+    if "norm" not in type(module).__name__.lower() or isinstance(
+            module, (torch.nn.modules.batchnorm._NormBase, torch.nn.GroupNorm)):
+        return False
+    if any(p.dim() > 1 for p in module.parameters()) or any(True for _ in module.children()):
+        return False
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                          p.POSITIONAL_OR_KEYWORD)]
+    return len(required) == 1
+
+
+def layer_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The norms inside the model's decoder layers (the layers' own and their attention's q/k norms)."""
+    return [m for layer in _decoder_layers(model) for m in layer.modules() if _is_norm(m)]
+
+
 def check_tiled_mlp(tile_tokens: int | None) -> int | None:
     """``tile_tokens`` if it is a positive int or None; else a ValueError saying what is wanted."""
     if tile_tokens is not None and not is_positive_int(tile_tokens):
@@ -169,16 +199,17 @@ def check_tiled_mlp(tile_tokens: int | None) -> int | None:
 
 
 def apply_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None) -> int:
-    """Run every dense MLP of ``model``'s decoder layers ``tile_tokens`` tokens at a time (None: untiled,
-    undoing an earlier call). Returns how many MLPs are tiled; the feed-forwards that cannot be tiled
-    are named in a log line."""
+    """Run every dense MLP and every norm of ``model``'s decoder layers ``tile_tokens`` tokens at a time
+    (None: untiled, undoing an earlier call). Returns how many MLPs are tiled; the feed-forwards that
+    cannot be tiled are named in a log line."""
     check_tiled_mlp(tile_tokens)
     if tile_tokens is None:
         remove_tiled_mlp(model)
         return 0
     dense, other = layer_mlps(model)
-    for module in dense:
-        module.forward = TiledForward(module, tile_tokens)
+    for module in [*dense, *layer_norms(model)]:
+        if "forward" not in module.__dict__ or isinstance(module.__dict__["forward"], TiledForward):
+            module.forward = TiledForward(module, tile_tokens)
     if other:
         logger.warning("lightseq_hf: tiled_mlp=%d leaves %d feed-forward module(s) untiled (not dense MLPs: "
                        "mixture-of-experts blocks or others), e.g. %s.", tile_tokens, len(other), other[0])

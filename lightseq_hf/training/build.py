@@ -13,6 +13,7 @@ import torch
 from .config import FinetuneConfig
 from .errors import ConfigError
 from .log import logger
+from .planning import offload_value
 
 
 def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torch.nn.Module:
@@ -89,7 +90,7 @@ def rank_memory_budget(accelerator: Any) -> tuple[float, float]:
     return (host, host) if accelerator.device.type != "cuda" else (gpu, host)
 
 
-def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
+def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> Any:
     """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
     device memory and its share of the host's available memory."""
     offload = cfg.training.offload_checkpoints
@@ -97,14 +98,15 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
         return offload
     if accelerator.device.type != "cuda":
         return False  # nothing to gain: the "device" is host memory
-    from .planning import resolve_auto_offload
+    from .planning import describe_offload, resolve_auto_offload
 
+    world, sharding = accelerator.num_processes, run_sharding(accelerator)
     gpu, host = rank_memory_budget(accelerator)
-    layers = resolve_auto_offload(cfg, accelerator.num_processes, run_sharding(accelerator), gpu, host)
+    plan = resolve_auto_offload(cfg, world, sharding, gpu, host)
     if accelerator.is_main_process:
-        logger.info(f"training.offload_checkpoints=auto: {layers} layers' checkpoints in host memory "
+        logger.info(f"training.offload_checkpoints=auto: {describe_offload(cfg, world, sharding, plan)} "
                     f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)")
-    return layers
+    return plan
 
 
 def check_backend_device(backend: str, model: torch.nn.Module) -> None:
@@ -123,13 +125,13 @@ def check_backend_device(backend: str, model: torch.nn.Module) -> None:
 
 
 def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
-                offload: bool | int | None = None) -> torch.nn.Module:
+                offload: Any = None) -> torch.nn.Module:
     """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
     ``training.offload_checkpoints``)."""
     import lightseq_hf
 
     ckpt = cfg.training.checkpointing
-    offload = cfg.training.offload_checkpoints if offload is None else offload
+    offload = offload_value(cfg.training.offload_checkpoints) if offload is None else offload
     check_backend_device(cfg.training.backend, model)
     model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
                                     checkpointing="remat" if ckpt == "none" else ckpt,

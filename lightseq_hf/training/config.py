@@ -125,6 +125,15 @@ class DataConfig(_Section):
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
 
 
+class OffloadLayers(_Section):
+    """``training.offload_checkpoints`` layer by layer, as ``auto`` chooses it: the first ``layers``
+    decoder layers keep their checkpoints in host memory; the first ``recompute`` keep only their input
+    (plain recompute: their attention forward runs again in backward)."""
+
+    layers: NonNegInt
+    recompute: NonNegInt = 0
+
+
 class TrainingConfig(_Section):
     """Optimization. ``batch_size`` is sequences per data-parallel group per micro-step."""
 
@@ -151,9 +160,11 @@ class TrainingConfig(_Section):
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
     # memory options (README "Memory")
     # what checkpointed layers keep -> pinned host memory, prefetched: true (every layer), N (the first N
-    # layers), auto (the fewest layers the planner says the device needs, at launch)
-    offload_checkpoints: StrictBool | Annotated[StrictInt, Field(ge=0)] | Literal["auto"] = False
-    tiled_mlp: PosInt | None = None  # MLP tokens per tile (e.g. 8192); null: untiled
+    # layers), {layers: N, recompute: R} (and the first R keep only their input), auto (the planner's
+    # choice for this machine's device and host memory, at launch)
+    offload_checkpoints: (StrictBool | Annotated[StrictInt, Field(ge=0)] | Literal["auto"]
+                          | OffloadLayers) = False
+    tiled_mlp: PosInt | None = None  # MLP and norm tokens per tile (e.g. 8192); null: untiled
     cpu_offload: StrictBool = False  # FSDP2 CPUOffloadPolicy: master weights, grads, AdamW state on host
 
 

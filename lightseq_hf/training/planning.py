@@ -29,29 +29,49 @@ def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
     opts = PlanOptions(context=cfg.context_length, sp_size=sp, world=world, batch=t.batch_size,
                        sharding=sharding if world > 1 else "replicated", master_dtype=cfg.model.dtype,
                        compute_dtype=compute, checkpointing=t.checkpointing,
-                       offload_checkpoints=t.offload_checkpoints, tiled_mlp=t.tiled_mlp,
+                       offload_checkpoints=offload_value(t.offload_checkpoints), tiled_mlp=t.tiled_mlp,
                        cpu_offload=t.cpu_offload,
-                       attention_kernel="reference" if t.backend == "reference" else "flash")
+                       attention_kernel=t.backend if t.backend in ("reference", "triton") else "sdpa")
     return ModelShape.from_config(entries), opts
 
 
-def resolve_auto_offload(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> int:
-    """``training.offload_checkpoints: auto``: the fewest layers to offload for the step to fit
-    ``gpu_bytes`` per rank, by the planner; every layer when even that does not fit (the run then
-    shows where memory ends). Raises ConfigError when the host cannot hold what must go there."""
-    from ..planner import GIB, layers_to_offload
+def offload_value(value: Any) -> Any:
+    """``training.offload_checkpoints`` as the patch and the planner take it (a mapping for a layer plan)."""
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
+def resolve_auto_offload(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> Any:
+    """``training.offload_checkpoints: auto``: the planner's :class:`~lightseq_hf.planner.OffloadPlan` for
+    the step to fit ``gpu_bytes`` and ``host_bytes`` per rank (:func:`~lightseq_hf.planner.choose_offload`:
+    the fewest layers under plain recompute, then the fewest offloaded); every layer offloaded when even
+    that does not fit the device (the run then shows where memory ends). Raises ConfigError when the
+    host cannot hold what must go there."""
+    from ..planner import GIB, OffloadPlan, choose_offload
 
     shape, opts = plan_inputs(cfg, world, sharding)
-    layers = layers_to_offload(shape, opts, gpu_bytes, host_bytes)
-    if layers is None:
-        if layers_to_offload(shape, opts, gpu_bytes) is not None:
+    plan = choose_offload(shape, opts, gpu_bytes, host_bytes)
+    if plan is None:
+        if choose_offload(shape, opts, gpu_bytes) is not None:
             raise ConfigError(
                 f"training.offload_checkpoints=auto: at context_length {cfg.context_length} the checkpoints "
                 f"the device cannot keep do not fit {host_bytes / GIB:.0f} GiB of host memory per rank "
-                "either; shorten the context, use more GPUs, or add training.tiled_mlp (see "
-                "lightseq-finetune CONFIG --plan)")
-        return shape.layers
-    return layers
+                "either, even under plain recompute; shorten the context, use more GPUs, or add "
+                "training.tiled_mlp (see lightseq-finetune CONFIG --plan)")
+        return OffloadPlan(shape.layers)
+    return plan
+
+
+def describe_offload(cfg: Any, world: int, sharding: str, plan: Any) -> str:
+    """What ``offload_checkpoints: auto`` chose, and what its plain recompute costs per step."""
+    from ..planner import recompute_cost
+
+    shape, opts = plan_inputs(cfg, world, sharding)
+    text = f"{min(plan.layers, shape.layers)} of {shape.layers} layers offloaded"
+    if plan.recompute:
+        text += (f"; the first {plan.recompute} keep only their input (plain recompute: {plan.recompute} "
+                 f"more attention forwards per step, about {recompute_cost(shape, opts, plan.recompute):.1%} "
+                 "of its FLOPs)")
+    return text
 
 
 def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
@@ -59,7 +79,7 @@ def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
     """The ``--plan`` report: predicted peaks at the config's context and the longest that fits."""
     from dataclasses import replace
 
-    from ..planner import GIB, layers_to_offload, longest_context, plan_memory
+    from ..planner import GIB, choose_offload, longest_context, plan_memory
 
     world = world or cfg.sp_size or 1
     sp = cfg.sp_size or world
@@ -74,12 +94,11 @@ def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
         host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / world
     offload_note = ""
     if t.offload_checkpoints == "auto":
-        layers = layers_to_offload(shape, opts, gpu_gib * GIB, host_gib * GIB)
-        offload_note = (f"offload_checkpoints auto: {layers} of {shape.layers} layers offloaded at this "
-                        "context" if layers is not None else
+        chosen = choose_offload(shape, opts, gpu_gib * GIB, host_gib * GIB)
+        offload_note = ("offload_checkpoints auto at this context: "
+                        f"{describe_offload(cfg, world, sharding, chosen)}" if chosen is not None else
                         "offload_checkpoints auto: no number of offloaded layers fits at this context")
-        chosen = shape.layers if layers is None else layers
-        plan = plan_memory(shape, replace(opts, offload_checkpoints=chosen))
+        plan = plan_memory(shape, replace(opts, offload_checkpoints=chosen or True))
     else:
         plan = plan_memory(shape, opts)
     longest = longest_context(shape, opts, gpu_gib * GIB, host_gib * GIB)

@@ -43,11 +43,18 @@ def llama_config(shape: tuple[int, ...], max_len: int):
     )
 
 
-def build_model(shape: tuple[int, ...], max_len: int, device: torch.device):
-    """A randomly initialised ``LlamaForCausalLM`` of ``shape`` on ``device`` (no download)."""
+def build_model(shape: tuple[int, ...], max_len: int, device: torch.device, dtype: torch.dtype | None = None):
+    """A randomly initialised ``LlamaForCausalLM`` of ``shape`` on ``device`` (no download); with ``dtype``
+    its weights are made in that dtype (never held in float32 first)."""
     from transformers import LlamaForCausalLM
 
     config = llama_config(shape, max_len)
-    with device:
-        model = LlamaForCausalLM(config)
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        with device:
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
     return model

@@ -3,8 +3,9 @@ stream, partial offload, the head-chunked distributed backward and the tiled MLP
 against the unpatched model on one GPU (float32, TF32 off).
 
 Asserted per option: loss and gradients; what was offloaded per layer and in which order backward
-fetched it; that the host buffers are page-locked, exact-sized and reused by the second step (no new
-ones); that the backward ran in the expected number of head chunks.
+fetched it (a layer's input prefetched, its cached attention tensors copied at its own turn and
+waited for where the recompute reads them); that the host buffers are page-locked, exact-sized and
+reused by the second step (no new ones); that the backward ran in the expected number of head chunks.
 
 Run on a machine with at least 2 GPUs: ``python -m pytest tests/gpu/test_memory_gpu.py``.
 """
@@ -62,8 +63,11 @@ def check_memory_options(rank, world, patches):
 
     ref_loss, ref_grads, _ = loss_and_grads(model(), input_ids=ids, labels=labels)
     lightseq_hf.patch_llama()
-    # (offload_checkpoints, tiled_mlp, backward chunk bytes -> expected chunks)
-    for offload, tile, chunk_bytes, chunks in [(True, 512, 2**30, 1), (2, None, 1, 4), (False, 256, 1, 4)]:
+    # (offload_checkpoints, tiled_mlp, backward chunk bytes -> expected chunks); the mapping: layers 0-2
+    # offloaded, layer 0 under plain recompute (its input only)
+    cases = [(True, 512, 2**30, 1), (2, None, 1, 4), (False, 256, 1, 4),
+             ({"layers": LAYERS, "recompute": 1}, 512, 2**30, 1)]
+    for offload, tile, chunk_bytes, chunks in cases:
         tag = f"offload {offload} tiled {tile} chunks {chunks}"
         patches.setattr(ops, "BACKWARD_CHUNK_BYTES", chunk_bytes)
         backward_heads.clear()
@@ -82,12 +86,17 @@ def check_memory_options(rank, world, patches):
                 failures.append(f"{tag} step {step}: gradient of {worst[1]} rel err {worst[0]:.2e}")
             if step == 0 and offload:
                 stats = m.lightseq_offloader.stats
-                layers = LAYERS if offload is True else offload
-                if (stats.offloaded_tensors, stats.cache_tensors) != (3 * layers, 2 * layers):
+                every = LAYERS if offload is True else offload
+                plan = offload if isinstance(offload, dict) else {"layers": every}
+                layers, plain = plan["layers"], plan.get("recompute", 0)
+                want = (3 * layers - 2 * plain, 2 * (layers - plain))  # plain recompute: the input only
+                if (stats.offloaded_tensors, stats.cache_tensors) != want:
                     failures.append(f"{tag}: offloaded {stats.offloaded_tensors}, "
                                     f"cache {stats.cache_tensors}")
                 if stats.fetch_order != list(range(layers - 1, -1, -1)):
                     failures.append(f"{tag}: fetch order {stats.fetch_order}")
+                if stats.prefetched_bytes_peak != SEQ // world * 256 * 4:  # one layer's input ahead
+                    failures.append(f"{tag}: {stats.prefetched_bytes_peak} bytes prefetched at once")
                 allocated = stats.host_buffers_allocated
                 buffers = pooled_host_buffers(m.lightseq_offloader.pool(device))
                 if not buffers or not all(b.is_pinned() for b in buffers):
