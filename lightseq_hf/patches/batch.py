@@ -32,6 +32,7 @@ class SplitBatch:
     inputs_embeds: torch.Tensor | None
     position_ids: torch.Tensor
     context: SequenceParallelContext
+    last_position: torch.Tensor  # of the whole rows (0-d): what length-dependent rotary embeddings read
 
 
 def _segments_of(attention_mask, position_ids, kwargs: dict, batch: int, seq: int) -> Segments | None:
@@ -195,15 +196,44 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
                          "forward needs at least one token per row.")
 
 
+def check_no_layerdrop(model: torch.nn.Module) -> None:
+    """LayerDrop skips decoder layers at random in training, a different draw on each rank: the ranks'
+    collectives would no longer match (a hang). Refuse it by name on every rank instead."""
+    if not model.training:
+        return
+    holders = model.__dict__.get("_lightseq_layerdrop")
+    if holders is None:
+        holders = [(name, m) for name, m in model.named_modules() if hasattr(m, "layerdrop")]
+        model.__dict__["_lightseq_layerdrop"] = holders
+    for name, module in holders:
+        if isinstance(module.layerdrop, (int, float)) and module.layerdrop > 0:
+            where = f"{name}.layerdrop" if name else "layerdrop"
+            raise ValueError(
+                f"{where} = {module.layerdrop}: LayerDrop skips decoder layers at random in training, a "
+                "different draw on each rank, which sequence parallelism cannot split. Load the model with "
+                f"layerdrop=0.0 (from_pretrained(..., layerdrop=0.0)) or set model.{where} = 0.0.")
+
+
+def _shard_pad_id(model: torch.nn.Module) -> int:
+    """The token that right-pads the last slice: the model's pad token when it is an id of its vocabulary,
+    else 0 (no real token sees a pad, so any id is exact; one outside the embedding would fail)."""
+    pad, vocab = getattr(model.config, "pad_token_id", None), getattr(model.config, "vocab_size", None)
+    return pad if isinstance(pad, int) and 0 <= pad < (vocab if isinstance(vocab, int) else pad + 1) else 0
+
+
 def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torch.Tensor | None,
                 inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None, kwargs: dict[str, Any],
-                shifted_labels: torch.Tensor | None = None, layer_kinds: tuple[str, ...] = ()) -> SplitBatch:
-    """Check a batch of full rows and cut this rank's slice of it (every rank of the group must call)."""
+                shifted_labels: torch.Tensor | None = None, layer_kinds: tuple[str, ...] = (),
+                positions_from_mask: bool = False) -> SplitBatch:
+    """Check a batch of full rows and cut this rank's slice of it (every rank of the group must call).
+    ``positions_from_mask``: the model counts absent positions along the padding mask (OPT); the slice
+    gets those positions."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
     full = input_ids if input_ids is not None else inputs_embeds
     check_inputs(input_ids, inputs_embeds)
+    check_no_layerdrop(model)
     batch, seq = full.shape[:2]
     device = full.device
     group = resolve_sp_group(settings)
@@ -218,17 +248,20 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     chunked = None
     if "chunked_attention" in layer_kinds:
         chunked = chunked_documents(segments, batch, seq, shard.padded_len, model.config.attention_chunk_size)
-    pad_id = getattr(model.config, "pad_token_id", None) or 0
-    if segments is not None and position_ids is not None:  # packed: positions restart per document
+    if positions_from_mask and position_ids is None and attention_mask is not None:
+        mask = attention_mask.long()
+        local_pos = take_shard(mask.cumsum(1) * mask - 1, shard)  # padding -1, as the model counts them
+    elif segments is not None and position_ids is not None:  # packed: positions restart per document
         local_pos = take_shard(position_ids.reshape(-1, seq).expand(batch, seq), shard)
     else:
         local_pos = global_position_ids(position_ids, batch, shard, device)
     context = SequenceParallelContext(
         group, settings.backend, seq, None if segments is None else segments.padded(shard.padded_len),
         layer_kinds, chunked, getattr(model.config, "model_type", ""), unsharded_attention())
+    last = position_ids.max() if position_ids is not None else torch.tensor(seq - 1, device=device)
     return SplitBatch(
-        group=group, shard=shard,
-        input_ids=take_shard(input_ids, shard, value=pad_id) if input_ids is not None else None,
+        group=group, shard=shard, last_position=last,
+        input_ids=take_shard(input_ids, shard, value=_shard_pad_id(model)) if input_ids is not None else None,
         inputs_embeds=take_shard(inputs_embeds, shard) if inputs_embeds is not None else None,
         position_ids=local_pos, context=context,
     )
