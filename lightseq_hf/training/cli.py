@@ -9,13 +9,20 @@ non-finite or peer failure (one line per rank that saw it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
+import torch.distributed as dist
+
+from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure, one_line, report_failure
 from .config import ConfigError, FinetuneConfig, load_config
+from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1
@@ -95,23 +102,89 @@ def check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume:
             f"{model}; data {cfg.data.type}; output_dir {cfg.output_dir} writable, {start}")
 
 
-def _run_worker(cfg: FinetuneConfig) -> int:
+def _stop_on_signals() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (kill, timeout, a batch scheduler) stop this worker where it is, as a
+    KeyboardInterrupt; a second signal while it stops changes nothing. Under ``lightseq-finetune --nproc``
+    the worker also stops when the launcher dies."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        if _stopped_by[0] is None:
+            _stopped_by[0] = signal.Signals(signum)
+            raise KeyboardInterrupt
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):  # PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
+        if str(os.getppid()) != launcher:  # the launcher died before the request
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+_stopped_by: list[signal.Signals | None] = [None]
+
+
+def _stopped(signum: signal.Signals) -> int:
+    """A worker stopped by a signal: one line from rank 0, none under our launcher (it says it once)."""
+    if LAUNCHER_PID_ENV not in os.environ:
+        _fail(f"stopped by {signum.name} (resume the run with saving.resume_from=latest)", 128 + signum)
+    return 128 + signum
+
+
+def _process_group_failed(e: BaseException) -> str:
+    """What failed when the process group of the environment's WORLD_SIZE could not start."""
+    names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+    shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
+    return (f"could not start the process group that the environment describes ({shown}): {one_line(e)}. "
+            "Start every rank (lightseq-finetune --nproc N, torchrun or accelerate launch), or unset "
+            "WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run one process.")
+
+
+def _worker_failed(e: BaseException) -> int:
+    """Report a worker's failure (published for its peers first), in one line where it is understood."""
     from ..guard.parity import ParityError
-    from .guards import NonFiniteError, PeerFailure
-    from .loop import train
+    from .guards import NonFiniteError
     from .saving import CheckpointError
 
-    try:
-        train(cfg)
-    except ConfigError as e:
+    if _stopped_by[0] is not None or isinstance(e, KeyboardInterrupt):
+        return _stopped(_stopped_by[0] or signal.SIGINT)
+    if not isinstance(e, Exception):
+        raise e
+    started = dist.is_available() and dist.is_initialized()
+    if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
+                                                   or "MASTER_ADDR" in str(e)):
+        return _fail(_process_group_failed(e), EXIT_CONFIG, every_rank=True)
+    if is_comm_failure(e):
+        e = explain_peer_failure(e, "the run")
+    report_failure(e)
+    if isinstance(e, ConfigError):
         return _fail(f"config error: {e}", EXIT_CONFIG)
-    except (CheckpointError, NonFiniteError) as e:
+    if isinstance(e, (CheckpointError, NonFiniteError)):
         return _fail(f"stopped: {e}", EXIT_FAILED)
-    except ParityError as e:
+    if isinstance(e, ParityError):
         return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
                      EXIT_FAILED, every_rank=True)
-    except PeerFailure as e:
+    if isinstance(e, PeerFailure):
         return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
+    if isinstance(e, (ValueError, OSError)):  # the library's refusals, and the system's (disk, files)
+        return _fail(f"rank {os.environ.get('RANK', '0')} stopped: {one_line(e)}", EXIT_FAILED,
+                     every_rank=True)
+    raise e  # anything else is a fault of the program: its traceback follows
+
+
+def _run_worker(cfg: FinetuneConfig) -> int:
+    from .loop import train
+
+    try:
+        _stop_on_signals()
+        train(cfg)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported (peers read it), then mapped
+        return _worker_failed(e)
     return 0
 
 
