@@ -8,11 +8,13 @@ This module is the entry point of such runs: it installs the faults named in ``L
 variable. Points: ``step`` (a step, before its forward pass), ``loss`` (the step's summed loss),
 ``save`` (before a rank writes its training state into the checkpoint of that step). Actions: ``kill``
 (SIGKILL), ``stop`` (SIGSTOP), ``hang`` (sleep until killed), ``nan`` (the loss becomes NaN; ``loss``
-only).
+only), ``raise`` (a ValueError, as a crash of the user's own code would), ``diskfull`` (an OSError
+"No space left on device").
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -23,7 +25,7 @@ from pathlib import Path
 
 ENV = "LIGHTSEQ_TEST_FAULTS"
 POINTS = ("step", "loss", "save")
-ACTIONS = ("kill", "stop", "hang", "nan")
+ACTIONS = ("kill", "stop", "hang", "nan", "raise", "diskfull")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ def act(faults: list[Fault], point: str, rank: int, step: int) -> bool:
         elif f.action == "hang":
             while True:
                 time.sleep(3600)
+        elif f.action == "raise":
+            raise ValueError(f"injected failure at {point} of step {step}")
+        elif f.action == "diskfull":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"step {step}")
         return f.action == "nan"
     return False
 

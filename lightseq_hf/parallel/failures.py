@@ -25,7 +25,12 @@ _COMM_HINTS = ("timed out", "timeout", "connection closed", "connection reset", 
 
 
 class PeerFailure(RuntimeError):
-    """A collective did not complete: a peer rank failed, froze, left, or called another operation."""
+    """A collective did not complete: a peer rank failed, froze, left, or called another operation.
+    ``failed_rank`` and ``reason``: the rank that published its failure, and its line (else None, "")."""
+
+    def __init__(self, message: str, failed_rank: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.failed_rank, self.reason = failed_rank, reason
 
 
 def is_comm_failure(exc: BaseException) -> bool:
@@ -97,7 +102,8 @@ def explain_peer_failure(exc: BaseException, operation: str, unexplained: str = 
     failed = reported_failures()
     if failed:
         rank, line = min(failed.items())
-        return PeerFailure(f"rank {me}: {operation} could not complete because rank {rank} failed: {line}")
+        return PeerFailure(f"rank {me}: {operation} could not complete because rank {rank} failed: {line}",
+                           rank, line)
     unexplained = unexplained or "a peer rank left, froze or called another operation"
     return PeerFailure(f"rank {me}: {operation} could not complete: {unexplained}. Backend said: "
                        f"{one_line(exc)}")

@@ -15,17 +15,24 @@ from .log import logger
 
 
 def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torch.nn.Module:
-    """Load ``model.path`` or build ``model.config`` with random weights."""
+    """Load ``model.path`` (``model.config`` entries override its config; a ``vocab_size`` resizes the
+    loaded embeddings) or build ``model.config`` with random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dtype = getattr(torch, cfg.model.dtype)
     m = cfg.model
     if m.path is not None:
         hf_cfg = AutoConfig.from_pretrained(m.path)
-        if m.config:
-            hf_cfg.update({k: v for k, v in m.config.items() if k != "model_type"})
+        entries = {k: v for k, v in (m.config or {}).items() if k != "model_type"}
+        vocab = entries.pop("vocab_size", None)  # applied to the loaded weights: resized, rows kept
+        hf_cfg.update(entries)
         if not m.random_init:
-            return AutoModelForCausalLM.from_pretrained(m.path, config=hf_cfg, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(m.path, config=hf_cfg, dtype=dtype)
+            if vocab is not None and vocab != model.get_input_embeddings().num_embeddings:
+                model.resize_token_embeddings(vocab)
+            return model
+        if vocab is not None:
+            hf_cfg.vocab_size = vocab
     else:
         entries = dict(m.config)
         hf_cfg = AutoConfig.for_model(entries.pop("model_type"), **entries)

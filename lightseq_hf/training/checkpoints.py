@@ -26,6 +26,7 @@ class TrainState:
         self.tokens = 0  # tokens trained on, all data-parallel groups together
         self.schedule_steps: int | None = None  # the step count the learning-rate schedule spans
         self.skipped_steps = 0  # steps whose update was skipped (non-finite, training.on_nonfinite=skip)
+        self.data_fingerprint: str | None = None  # of the training data (data.data_fingerprint)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
@@ -83,6 +84,19 @@ def load_resume_state(accelerator: Any, resume: Path) -> None:
     except Exception as e:  # a file the completion record could not vouch for (checksums off, old version)
         raise CheckpointError(f"{resume}: loading the training state failed ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
+
+
+def check_same_data(state: TrainState, fingerprint: str, resume: Path) -> None:
+    """ConfigError when the training data changed since ``resume`` was saved: the resumed sampler would
+    continue its position in other samples. Checkpoints without a fingerprint pass."""
+    saved = state.data_fingerprint
+    if saved is not None and saved != fingerprint:
+        raise ConfigError(
+            f"the training data changed since {resume} was saved (data fingerprint {saved} then, "
+            f"{fingerprint} now: the contents of data.paths or the data settings differ), so resuming would "
+            "not continue where it stopped. Restore that data, or start a new run from the checkpoint's "
+            f"weights with model.path={resume}")
+    state.data_fingerprint = fingerprint
 
 
 def reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int, scheduler: Any,

@@ -170,6 +170,8 @@ def _worker_failed(e: BaseException) -> int:
         return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
                      EXIT_FAILED, every_rank=True)
     if isinstance(e, PeerFailure):
+        if e.failed_rank == 0 and e.reason.startswith(ConfigError.__name__):
+            return EXIT_CONFIG  # rank 0 printed the configuration problem
         return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
     if isinstance(e, (ValueError, OSError)):  # the library's refusals, and the system's (disk, files)
         return _fail(f"rank {os.environ.get('RANK', '0')} stopped: {one_line(e)}", EXIT_FAILED,

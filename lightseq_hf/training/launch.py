@@ -85,8 +85,9 @@ def _describe_death(rank: int, code: int) -> str:
     return f"rank {rank} exited with status {code} without a message (see its output above)"
 
 
-def _wait(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
-    """Exit statuses of every worker; once one fails, the rest get ``grace_s`` before SIGTERM/SIGKILL."""
+def _wait(procs: list[subprocess.Popen], grace_s: float, ended: set[int]) -> list[int]:
+    """Exit statuses of every worker; once one fails, the rest get ``grace_s`` before SIGTERM/SIGKILL (their
+    ranks are added to ``ended``)."""
     deadline = None
     while True:
         codes = [p.poll() for p in procs]
@@ -95,8 +96,9 @@ def _wait(procs: list[subprocess.Popen], grace_s: float) -> list[int]:
         if deadline is None and any(c not in (None, 0) for c in codes):
             deadline = time.monotonic() + grace_s
         if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
+            for rank, p in enumerate(procs):
                 if p.poll() is None:
+                    ended.add(rank)
                     p.terminate()
             try:
                 for p in procs:
@@ -141,7 +143,8 @@ def launch(nproc: int, module: str, worker_args: list[str], accelerate_config: s
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        codes = _wait(procs, grace_s)
+        ended: set[int] = set()
+        codes = _wait(procs, grace_s, ended)
     except (KeyboardInterrupt, _Stopped) as stop:
         signum = signal.SIGTERM if isinstance(stop, _Stopped) else signal.SIGINT
         return _stop_workers(procs, signum, grace_s)
@@ -152,6 +155,6 @@ def launch(nproc: int, module: str, worker_args: list[str], accelerate_config: s
     if not failed:
         return 0
     for rank, code in failed:
-        if code not in _REPORTED:
+        if code not in _REPORTED and rank not in ended:
             print(f"lightseq-finetune: {_describe_death(rank, code)}", file=sys.stderr, flush=True)
     return next((c for _, c in failed if c in _REPORTED), EXIT_FAILED)

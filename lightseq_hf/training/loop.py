@@ -32,9 +32,9 @@ from .build import (
     offload_setting,
     use_fsdp_cpu_offload,
 )
-from .checkpoints import TrainState, load_resume_state, reconcile_schedule, save_checkpoint
+from .checkpoints import TrainState, check_same_data, load_resume_state, reconcile_schedule, save_checkpoint
 from .config import ConfigError, FinetuneConfig, validate
-from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer
+from .data import ParallelSampler, build_train_dataset, collate, data_fingerprint, load_tokenizer
 from .evaluation import evaluate_passkey
 from .guards import NonFiniteError, Progress
 from .log import logger
@@ -94,10 +94,12 @@ def _main_decides(accelerator: Any, fn: Any) -> Any:
     return result[0]
 
 
-def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None]:
-    """Main process: the checkpoint to resume from and its step (see prepare_output_dir)."""
+def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None, str]:
+    """Main process: the checkpoint to resume from, its step (see prepare_output_dir) and the training data's
+    fingerprint."""
     resume = prepare_output_dir(cfg)
-    return resume, (read_completion_record(resume)["step"] if resume is not None else None)
+    step = read_completion_record(resume)["step"] if resume is not None else None
+    return resume, step, data_fingerprint(cfg)
 
 
 class Trainer:
@@ -138,7 +140,8 @@ class Trainer:
         cfg, t = self.cfg, self.t
         with self.progress.phase("set-up", 0):
             self.groups = init_sequence_parallel(cfg.sp_size or self.world, timeout=self.timeout)
-            self.resume, self.resume_step = _main_decides(self.accelerator, lambda: _resume_point(cfg))
+            self.resume, self.resume_step, self.data_fingerprint = _main_decides(
+                self.accelerator, lambda: _resume_point(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
         model = build_model_or_explain(cfg, self.device)
         self.vocab_size = model.config.vocab_size
@@ -173,6 +176,7 @@ class Trainer:
         if self.resume is not None:
             with self.progress.phase(f"loading {self.resume.name}", 0):
                 load_resume_state(acc, self.resume)
+            check_same_data(self.state, self.data_fingerprint, self.resume)
             reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume)
             if self.is_main:
                 s = self.state
@@ -180,7 +184,7 @@ class Trainer:
                             "trained; weights, optimizer, scheduler and RNG states loaded"
                             + (" (checksums verified)" if cfg.saving.checksums else ""))
         else:
-            self.state.schedule_steps = self.total_steps
+            self.state.schedule_steps, self.state.data_fingerprint = self.total_steps, self.data_fingerprint
         self.writer = MetricsWriter(self.out_dir / cfg.logging.metrics_file if self.is_main else None,
                                     self.state.step if self.resume is not None else None)
         g = self.groups
@@ -354,10 +358,16 @@ class Trainer:
         return res
 
     def save(self) -> Path:
-        """``checkpoint-<step>/`` (see save_checkpoint)."""
+        """``checkpoint-<step>/`` (see save_checkpoint); a failed write (a full disk) is a CheckpointError."""
         with self.progress.phase("checkpoint save", self.state.step):
-            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
-                                   self.out_dir)
+            try:
+                return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
+                                       self.out_dir)
+            except OSError as e:
+                raise CheckpointError(
+                    f"writing checkpoint-{self.state.step} in {self.out_dir} failed ({type(e).__name__}: "
+                    f"{e}); the checkpoints saved before are intact. Free space there, or save less "
+                    "(saving.every, saving.save_optimizer=false)") from e
 
     def _after_step(self) -> None:
         step, cfg = self.state.step, self.cfg
