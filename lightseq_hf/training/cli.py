@@ -140,7 +140,8 @@ def _process_group_failed(e: BaseException) -> str:
     """What failed when the process group of the environment's WORLD_SIZE could not start."""
     names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
     shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
-    return (f"could not start the process group that the environment describes ({shown}): {one_line(e)}. "
+    reason = one_line(e).rstrip(".")
+    return (f"could not start the process group that the environment describes ({shown}): {reason}. "
             "Start every rank (lightseq-finetune --nproc N, torchrun or accelerate launch), or unset "
             "WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run one process.")
 
@@ -235,7 +236,16 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     if args.check:
-        print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}", flush=True)
+        from .preflight import preflight
+
+        try:
+            done = preflight(cfg, world, resume)
+        except ConfigError as e:
+            return _fail(f"config error: {e}", EXIT_CONFIG)
+        except RuntimeError as e:  # CheckpointError
+            return _fail(str(e), EXIT_FAILED)
+        print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
+              flush=True)
         return 0
     if args.nproc:
         from .launch import launch

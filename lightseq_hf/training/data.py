@@ -8,6 +8,7 @@ sequence-parallel ranks of a group, which share ``dp_rank``, draw identical indi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -88,11 +89,12 @@ def load_raw_dataset(data_cfg: Any) -> Any:
     import datasets
 
     try:
-        if data_cfg.type == "files":
-            builder = detect_format(data_cfg.paths, data_cfg.format)
-            ds = datasets.load_dataset(builder, data_files=list(data_cfg.paths), split="train")
-        else:
-            ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=data_cfg.split)
+        with _quiet_datasets():
+            if data_cfg.type == "files":
+                builder = detect_format(data_cfg.paths, data_cfg.format)
+                ds = datasets.load_dataset(builder, data_files=list(data_cfg.paths), split="train")
+            else:
+                ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=data_cfg.split)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - `datasets` wraps the reader's error (encoding, syntax, network)
@@ -105,6 +107,23 @@ def load_raw_dataset(data_cfg: Any) -> Any:
     if data_cfg.max_documents is not None:
         ds = ds.select(range(min(data_cfg.max_documents, len(ds))))
     return ds
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """`datasets` without its progress bars and its own log lines (a failure is reported in one line)."""
+    import datasets
+
+    bars = datasets.utils.are_progress_bars_disabled()
+    level = datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
+            datasets.utils.enable_progress_bars()
 
 
 def unreadable_data(data_cfg: Any, error: BaseException) -> str:
@@ -319,9 +338,15 @@ def build_train_dataset(cfg: Any, tokenizer: Any = None, main_process_first: Cal
         from .synthetic import PasskeyDataset
 
         return PasskeyDataset(passkey_spec(cfg, vocab_size=vocab_size), cfg.data.synthetic.num_samples)
-    if tokenizer is None:
-        raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
+    require_tokenizer(tokenizer)
     return build_text_dataset(cfg, tokenizer, main_process_first)
+
+
+def require_tokenizer(tokenizer: Any) -> None:
+    """ConfigError for text data without a tokenizer (model.path holds none, and none is named)."""
+    if tokenizer is None:
+        raise ConfigError("tokenizer: text data needs a tokenizer, and model.path holds none: set tokenizer "
+                          "to a tokenizer directory or name, or to 'bytes'")
 
 
 def passkey_spec(cfg: Any, seed: int | None = None, vocab_size: int | None = None) -> Any:

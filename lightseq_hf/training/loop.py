@@ -29,6 +29,7 @@ from .build import (
     build_model_or_explain,
     build_optimizer,
     check_tokenizer_fits,
+    count_steps,
     offload_setting,
     use_fsdp_cpu_offload,
 )
@@ -152,13 +153,7 @@ class Trainer:
                                            vocab_size=self.vocab_size)
         g = self.groups
         self.sampler = ParallelSampler(len(self.dataset), g.dp_size, g.dp_rank, shuffle=True, seed=t.seed)
-        if t.batch_size > self.sampler.per_group:
-            raise ConfigError(
-                f"training.batch_size {t.batch_size} exceeds the {self.sampler.per_group} samples each of "
-                f"the {g.dp_size} data-parallel groups has; lower training.batch_size or add data")
-        micro_per_epoch = math.ceil(self.sampler.per_group / t.batch_size)
-        steps_per_epoch = math.ceil(micro_per_epoch / t.grad_accum)
-        self.total_steps = t.max_steps if t.max_steps is not None else steps_per_epoch * t.epochs
+        self.total_steps = count_steps(cfg, len(self.dataset), g.dp_size)
 
     def _prepare_training(self) -> None:
         """Optimizer and schedule, accelerate's wrapping, the resumed state, metrics and FLOP counts.
@@ -176,7 +171,8 @@ class Trainer:
         if self.resume is not None:
             with self.progress.phase(f"loading {self.resume.name}", 0):
                 load_resume_state(acc, self.resume)
-            check_same_data(self.state, self.data_fingerprint, self.resume)
+            check_same_data(self.state.data_fingerprint, self.data_fingerprint, self.resume)
+            self.state.data_fingerprint = self.data_fingerprint
             reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume)
             if self.is_main:
                 s = self.state
