@@ -63,7 +63,7 @@ def act(faults: list[Fault], point: str, rank: int, step: int) -> bool:
             while True:
                 time.sleep(3600)
         elif f.action == "raise":
-            raise ValueError(f"injected failure at {point} of step {step}")
+            raise ValueError(f"injected failure ({point} point, step {step})")
         elif f.action == "diskfull":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"step {step}")
         return f.action == "nan"

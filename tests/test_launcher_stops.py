@@ -1,0 +1,95 @@
+"""``lightseq-finetune --nproc 2`` (CPU, gloo) when it is stopped or one rank fails.
+
+SIGTERM to the launcher (what ``kill``, ``timeout`` and batch schedulers send) and Ctrl-C (SIGINT to the
+terminal's whole process group) stop both workers and leave one line, exit status 128 + signal. When one
+rank fails (a crash of its own, a full disk during a save) the other says which rank failed and why, in
+one line, instead of the backend's "Connection closed by peer".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightseq_hf._testing.faults import ENV as FAULTS_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["training.device=cpu", "logging.progress_bar=false", "data.synthetic.eval_samples=2",
+         "context_length=256", "model.config.max_position_embeddings=256", "logging.plot=false"]
+
+pytestmark = pytest.mark.slow
+
+
+def _env(fault: str | None = None) -> dict[str, str]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop(FAULTS_ENV, None)
+    if fault:
+        env[FAULTS_ENV] = fault
+    return env
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("lightseq-finetune:")]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+def test_a_stopped_launcher_stops_its_workers_with_one_line(tmp_path: Path, how: str) -> None:
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "lightseq_hf.training.cli", "--nproc", "2",
+                             "configs/tiny.yaml", *SMALL, "training.max_steps=100000", f"output_dir={run}"],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 150
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    workers = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(workers) == 2
+    if how == "sigterm":
+        proc.send_signal(signal.SIGTERM)  # the launcher only, as `kill` or `timeout` would
+    else:
+        os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
+    out, _ = proc.communicate(timeout=60)
+    signum = signal.SIGTERM if how == "sigterm" else signal.SIGINT
+    assert proc.returncode == 128 + signum, out[-3000:]
+    assert _lines(out) == [f"lightseq-finetune: stopped by {signum.name}; every worker has exited (resume "
+                           "the run with saving.resume_from=latest)"], out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert not any(_alive(pid) for pid in workers)  # nothing keeps training into the output directory
+
+
+@pytest.mark.parametrize(("fault", "failed", "reason"), [
+    ("step:1:2:raise", "rank 1 stopped: ValueError: injected failure (step point, step 2)",
+     "rank 0: 'forward/backward' at step 2 could not complete because rank 1 failed: ValueError: injected"),
+    ("save:0:2:diskfull", "stopped: writing checkpoint-2 in",
+     "rank 1: 'checkpoint save' at step 2 could not complete because rank 0 failed: CheckpointError: "
+     "writing checkpoint-2"),
+])
+def test_the_other_rank_names_the_failed_rank_and_why(tmp_path: Path, fault: str, failed: str,
+                                                      reason: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "lightseq_hf._testing.faults", "--nproc", "2",
+                           "configs/tiny.yaml", *SMALL, "training.max_steps=4", "saving.every=2",
+                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=_env(fault), capture_output=True,
+                          text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    lines = _lines(out)
+    assert len(lines) == 2, out[-3000:]  # the failed rank's line, and its peer's naming it
+    assert any(failed in line for line in lines), lines
+    assert any(reason in line for line in lines), lines
+    assert "Traceback" not in out and "Connection closed" not in out, out[-3000:]
+    if "diskfull" in fault:
+        assert "No space left on device" in out and "the checkpoints saved before are intact" in out
