@@ -1,4 +1,5 @@
-"""``lightseq-finetune --nproc 2`` (CPU, gloo) when it is stopped or one rank fails.
+"""``lightseq-finetune --nproc 2`` (CPU, gloo) when it is stopped or one rank fails, and a plain loop of
+one's own when one rank crashes.
 
 SIGTERM to the launcher (what ``kill``, ``timeout`` and batch schedulers send) and Ctrl-C (SIGINT to the
 terminal's whole process group) stop both workers and leave one line, exit status 128 + signal. When one
@@ -93,3 +94,38 @@ def test_the_other_rank_names_the_failed_rank_and_why(tmp_path: Path, fault: str
     assert "Traceback" not in out and "Connection closed" not in out, out[-3000:]
     if "diskfull" in fault:
         assert "No space left on device" in out and "the checkpoints saved before are intact" in out
+
+
+PLAIN_LOOP = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch.distributed as dist
+import lightseq_hf
+from tiny_models import make_batch, make_model
+
+dist.init_process_group("gloo")
+model = lightseq_hf.patch(make_model(layers=1))
+for step in range(3):
+    ids, labels = make_batch(1, 16, step)
+    if step == 1 and dist.get_rank() == 1:
+        raise ValueError("the data loader of rank 1 broke")
+    model(input_ids=ids, labels=labels).loss.backward()
+    lightseq_hf.sync_gradients(model)
+"""
+
+
+def test_a_crash_on_one_rank_of_a_plain_loop_is_named_by_the_other(tmp_path: Path) -> None:
+    script = tmp_path / "loop.py"
+    script.write_text(PLAIN_LOOP.format(tests=str(ROOT / "tests")))
+    port = 20000 + os.getpid() % 20000
+    procs = [subprocess.Popen([sys.executable, str(script)], env=dict(
+        _env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [1, 1], outs
+    assert "ValueError: the data loader of rank 1 broke" in outs[1]  # its own traceback, as usual
+    named = [line.split("lightseq_hf: ", 1)[1] for line in outs[0].splitlines()
+             if "lightseq_hf: rank 0:" in line]
+    assert named == ["rank 0: a collective could not complete because rank 1 failed: ValueError: the data "
+                     "loader of rank 1 broke"], outs[0][-3000:]  # torch may prefix the line with [rank0]
+    assert "Traceback" not in outs[0], outs[0][-3000:]
