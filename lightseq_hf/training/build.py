@@ -136,6 +136,17 @@ def check_backend_device(backend: str, model: torch.nn.Module) -> None:
         raise ConfigError(f"training.backend: {backend!r} {reason}; set training.backend=auto (or reference)")
 
 
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Transformers' activation checkpointing (routed to the patch's ``checkpointing`` mode), under its
+    current name: ``activation_checkpointing_enable``, which deprecates ``gradient_checkpointing_enable``
+    (the only name of older releases)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
                 offload: bool | int | None = None) -> torch.nn.Module:
     """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
@@ -150,7 +161,7 @@ def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
                                     offload_checkpoints=offload,
                                     tiled_mlp=cfg.training.tiled_mlp)
     if ckpt != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model
