@@ -114,7 +114,9 @@ def excepthook(kind, value, traceback, previous=sys.excepthook) -> None:
     failed; any other uncaught exception is published for the peers, then shown as usual."""
     if isinstance(value, Exception) and dist.is_available() and dist.is_initialized():
         if is_comm_failure(value) or isinstance(value, PeerFailure):
-            said = value if isinstance(value, PeerFailure) else explain_peer_failure(value, "a collective")
+            said = value if isinstance(value, PeerFailure) else explain_peer_failure(
+                value, "a collective", "a peer rank left, froze or called another operation (every rank "
+                "of a group must call lightseq_hf.patch(), the model and the same collectives in one order)")
             print(f"lightseq_hf: {said}", file=sys.stderr, flush=True)
             return
         report_failure(value)
