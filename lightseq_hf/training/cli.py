@@ -160,7 +160,7 @@ def _worker_failed(e: BaseException) -> int:
     if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
                                                    or "MASTER_ADDR" in str(e)):
         return _fail(_process_group_failed(e), EXIT_CONFIG, every_rank=True)
-    if is_comm_failure(e):
+    if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
         e = explain_peer_failure(e, "the run")
     report_failure(e)
     if isinstance(e, ConfigError):
@@ -183,11 +183,17 @@ def _worker_failed(e: BaseException) -> int:
 def _run_worker(cfg: FinetuneConfig) -> int:
     from .loop import train
 
+    _stopped_by[0] = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) is not None} if main_thread else {}
     try:
         _stop_on_signals()
         train(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure is reported (peers read it), then mapped
         return _worker_failed(e)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 

@@ -140,7 +140,7 @@ def launch(nproc: int, module: str, worker_args: list[str], accelerate_config: s
     base = {**base, "TORCHELASTIC_USE_AGENT_STORE": "True"}  # the workers join it as clients
     procs = [subprocess.Popen([sys.executable, "-m", module, *worker_args],
                               env=worker_env(base, rank, nproc, store.port)) for rank in range(nproc)]
-    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) is not None}
     signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         ended: set[int] = set()
