@@ -6,9 +6,14 @@ Launch with torchrun, one process per GPU (multicast off on shared machines)::
         torchrun --nproc_per_node 2 scripts/bench_dist_attn.py --out benchmarks/results
 
 Rows (bf16, causal, head dim 128, batch 1): ours (balanced schedule, overlapped transfers)
-with each local kernel; ablations (ring schedule, serial transfers, compute only); torch
+with each local kernel, and the pipelined schedule (its last step in two halves); ablations
+(ring schedule, serial transfers, compute only); torch
 context parallel (ring attention over SDPA, head-tail load balancing) with both rotate
 methods; one GPU computing the whole sequence. Times are medians of the slowest rank.
+
+``--device cpu`` is the smoke run (gloo, float32, the reference kernel, torch's math SDPA for the
+one-process row, no torch context parallel), e.g. ``torchrun --nproc_per_node 2 scripts/bench_dist_attn.py
+--device cpu --seqs 64 --heads 4/4,4/2 --dim 16 --reps 1``.
 """
 
 from __future__ import annotations
@@ -27,27 +32,37 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when this file is loaded by path
 
 from benchlib.ablations import transfer_mode  # noqa: E402
-from benchlib.launch import init_distributed  # noqa: E402
+from benchlib.launch import finish, free_memory, init_distributed  # noqa: E402
 from benchlib.peers import cp_inputs, forward_only, fwd_bwd, ours, torch_context_parallel  # noqa: E402
 from benchlib.plots import draw_lines, pyplot, save  # noqa: E402
-from benchlib.results import MULTICAST_ENV, ResultsFile, failure, find, results_path, run_meta  # noqa: E402
-from benchlib.timing import attention_flops, per_rank, timed  # noqa: E402
+from benchlib.results import (  # noqa: E402
+    MULTICAST_ENV,
+    ResultsFile,
+    device_name,
+    failure,
+    find,
+    results_path,
+    run_meta,
+)
+from benchlib.timing import attention_flops, per_rank, synchronize, timed  # noqa: E402
 
-import lightseq_hf  # noqa: E402
+from lightseq_hf._testing.kernel_knobs import cudnn_backward_fell_back  # noqa: E402
 from lightseq_hf.kernels import get_kernel  # noqa: E402
 from lightseq_hf.parallel.merge import empty_running  # noqa: E402
 from lightseq_hf.parallel.schedule import Task, build_schedule  # noqa: E402
 
-CUDA = torch.device("cuda")
+TORCH_CP_CPU_SKIP = ("torch's context_parallel shards only the flash, efficient and cuDNN SDPA kernels "
+                     "(CUDA); not run on CPU")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seqs", default="32768,65536,131072,262144",
                    help="total sequence lengths (multiples of the world size; 524288 fits 2 or 4 H200)")
     p.add_argument("--heads", default="32/32,32/8", help="query/kv heads, comma separated")
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--backends", default="sdpa_cudnn,triton")
+    p.add_argument("--backends", default=None, help="local kernels (default: sdpa_cudnn,triton on CUDA, "
+                                                    "reference on CPU)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--no-torch-cp", action="store_true")
@@ -56,7 +71,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tag", default="", help="suffix of the results file name")
     p.add_argument("--trace", action="store_true", help="write a gzipped profiler trace of ours")
     p.add_argument("--trace-seq", type=int, default=65536, help="total length of the traced run")
-    p.add_argument("--trace-backend", default="sdpa_cudnn", help="local kernel of the traced run")
+    p.add_argument("--trace-backend", default=None, help="local kernel of the traced run (default: the "
+                                                          "first of --backends)")
+    p.add_argument("--trace-schedules", default="balanced",
+                   help="schedules of the traced runs, comma separated (one trace each)")
     p.add_argument("--plot-from", default=None, help="only redraw the PNG of a results JSON")
     p.add_argument("--replay", action="store_true",
                    help="also time each rank's own tasks of the balanced schedule through the local kernel "
@@ -65,12 +83,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device-order", default="normal", choices=("normal", "reversed"),
                    help="reversed: local rank r runs on GPU (gpus - 1 - r), to tell a slow GPU from a slow "
                         "rank")
-    return p.parse_args()
+    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda if available")
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.backends = args.backends or ("sdpa_cudnn,triton" if args.device == "cuda" else "reference")
+    args.trace_backend = args.trace_backend or args.backends.split(",")[0]
+    return args
 
 
-def gpu_ms(fn, reps: int, **kwargs) -> float:
-    """Median ms between CUDA events (``benchlib.timing.timed``: ranks in lock-step, the slowest)."""
-    return timed(fn, reps, CUDA, clock="cuda_events", **kwargs)
+def gpu_ms(fn, reps: int, device: torch.device, **kwargs) -> float:
+    """Median ms (``benchlib.timing.timed``: ranks in lock-step, the slowest) between CUDA events on a
+    GPU, of the host clock on the CPU."""
+    return timed(fn, reps, device, clock="cuda_events" if device.type == "cuda" else "wall", **kwargs)
 
 
 def tflops_per_gpu(n: int, heads: int, dim: int, with_bwd: bool, gpus: int, ms: float) -> float:
@@ -83,40 +107,45 @@ def make_ours(q, k, v, dout, backend, schedule, with_bwd, group=None):
     return fwd_bwd(attn, q, k, v, dout) if with_bwd else forward_only(attn, q, k, v)
 
 
-def bench_torch_cp(n, h, hk, d, reps) -> dict:
+def bench_torch_cp(n, h, hk, d, reps, device) -> dict:
     """torch's context_parallel over SDPA cuDNN; returns {(rotate, with_bwd): ms}."""
-    g = torch.Generator(device="cuda").manual_seed(7)
+    g = torch.Generator(device=device).manual_seed(7)
     results = {}
 
     def sdpa(a, b, c):
         return F.scaled_dot_product_attention(a, b, c, is_causal=True)
 
     for rotate in ("allgather", "alltoall"):
-        qb, kb, vb = cp_inputs(n, h, hk, d, CUDA, g)
-        with torch_context_parallel([qb, kb, vb], [2, 2, 2], CUDA, rotate):
+        qb, kb, vb = cp_inputs(n, h, hk, d, device, g)
+        with torch_context_parallel([qb, kb, vb], [2, 2, 2], device, rotate):
             dout = torch.randn_like(qb)
-            results[(rotate, False)] = gpu_ms(forward_only(sdpa, qb, kb, vb), reps)
+            results[(rotate, False)] = gpu_ms(forward_only(sdpa, qb, kb, vb), reps, device)
             for t in (qb, kb, vb):
                 t.requires_grad_()
-            results[(rotate, True)] = gpu_ms(fwd_bwd(sdpa, qb, kb, vb, dout), reps)
+            results[(rotate, True)] = gpu_ms(fwd_bwd(sdpa, qb, kb, vb, dout), reps, device)
     return results
 
 
-def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
-    """One GPU computing the whole sequence (rank 0 times it; the others wait)."""
+def bench_single(n, h, hk, d, reps, rank, solo_group, backends, device):
+    """One GPU computing the whole sequence (rank 0 times it; the others wait): SDPA cuDNN
+    (``single_cudnn``; torch's math SDPA on the CPU, ``single_math``) and each of our local kernels."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     results = {}
     if rank == 0:
-        g = torch.Generator(device="cuda").manual_seed(3)
-        q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-        k = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-        v = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+        g = torch.Generator(device=device).manual_seed(3)
+        opts = dict(device=device, dtype=dtype_on(device), generator=g, requires_grad=True)
+        q = torch.randn(1, n, h, d, **opts)
+        k = torch.randn(1, n, hk, d, **opts)
+        v = torch.randn(1, n, hk, d, **opts)
         dout = torch.randn_like(q)
+        cuda = device.type == "cuda"
+        sdpa_name, sdpa_backend = ("single_cudnn", SDPBackend.CUDNN_ATTENTION) if cuda else \
+            ("single_math", SDPBackend.MATH)
 
         def sdpa(with_bwd):
             def run():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                with sdpa_kernel(sdpa_backend):
                     o = F.scaled_dot_product_attention(
                         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                         enable_gqa=h != hk,
@@ -130,26 +159,31 @@ def bench_single(n, h, hk, d, reps, rank, solo_group, backends):
             ctx = torch.enable_grad() if with_bwd else torch.no_grad()
             with ctx:
                 try:
-                    results[("single_cudnn", with_bwd)] = gpu_ms(sdpa(with_bwd), reps, collective=False)
+                    results[(sdpa_name, with_bwd)] = gpu_ms(sdpa(with_bwd), reps, device, collective=False)
                 except Exception as e:  # noqa: BLE001 - recorded in the results
-                    results[("single_cudnn", with_bwd)] = f"error: {e}"
+                    results[(sdpa_name, with_bwd)] = f"error: {e}"
                 for backend in (b for b in backends if not b.startswith("sdpa")):  # sdpa == single_cudnn
                     fn = make_ours(q, k, v, dout, backend, "balanced", with_bwd, solo_group)
                     try:
-                        results[(f"single_{backend}", with_bwd)] = gpu_ms(fn, reps, collective=False)
+                        results[(f"single_{backend}", with_bwd)] = gpu_ms(fn, reps, device, collective=False)
                     except Exception as e:  # noqa: BLE001
                         results[(f"single_{backend}", with_bwd)] = f"error: {e}"
         del q, k, v, dout
-        torch.cuda.empty_cache()
+        free_memory(device)
     dist.barrier()
     return results
+
+
+def dtype_on(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs; float32 on the CPU (the smoke run)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def per_rank_compute(q, k, v, dout, backend, reps, with_bwd):
     """Each rank's compute-only time (no transfers): the schedule's balance."""
     with transfer_mode("compute_only"):
-        ms = gpu_ms(make_ours(q, k, v, dout, backend, "balanced", with_bwd), reps, reduce_max=False)
-    return per_rank(ms, CUDA)
+        ms = gpu_ms(make_ours(q, k, v, dout, backend, "balanced", with_bwd), reps, q.device, reduce_max=False)
+    return per_rank(ms, q.device)
 
 
 def rank_tasks(world: int, rank: int, kind: str = "balanced") -> list[Task]:
@@ -190,7 +224,7 @@ def per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd):
     kernel = get_kernel(backend, q.device, q.dtype, q.shape[-1])
     tasks = rank_tasks(world, dist.get_rank())
     run, _ = make_replay(q, k, v, dout, kernel, tasks, with_bwd, q.shape[-1] ** -0.5)
-    return per_rank(gpu_ms(run, reps, reduce_max=False), CUDA)
+    return per_rank(gpu_ms(run, reps, q.device, reduce_max=False), q.device)
 
 
 def record_per_rank(record, row: dict, measure) -> None:
@@ -204,7 +238,7 @@ def record_per_rank(record, row: dict, measure) -> None:
 
 def ablation_variants(main_config: bool, no_ablations: bool) -> list[tuple[str, str, str]]:
     """(row name, schedule, transfer mode) of ours and, on the main head layout, its ablations."""
-    variants = [("ours", "balanced", "overlap")]
+    variants = [("ours", "balanced", "overlap"), ("pipelined", "pipelined", "overlap")]
     if main_config and not no_ablations:
         variants += [("ring", "ring", "overlap"), ("paper", "paper", "overlap"),
                      ("no_overlap", "balanced", "serial")]
@@ -223,7 +257,7 @@ def bench_ours(args, tensors, base: dict, world: int, reps: int, record) -> None
                 row = {**base, "impl": f"{name}_{backend}", "phase": phase}
                 try:
                     with transfer_mode(mode):
-                        ms = gpu_ms(make_ours(q, k, v, dout, backend, schedule, with_bwd), reps)
+                        ms = gpu_ms(make_ours(q, k, v, dout, backend, schedule, with_bwd), reps, q.device)
                     record({**row, "ms": ms, "tflops_per_gpu": tflops_per_gpu(n, h, d, with_bwd, world, ms)})
                 except Exception:  # noqa: BLE001 - recorded in the results
                     record({**row, **failure(limit=3)})
@@ -234,19 +268,22 @@ def bench_ours(args, tensors, base: dict, world: int, reps: int, record) -> None
                                 lambda: per_rank_replay(q, k, v, dout, backend, reps, world, with_bwd))
 
 
-def bench_peers(args, base: dict, world: int, reps: int, solo_group, record) -> None:
+def bench_peers(args, base: dict, world: int, reps: int, solo_group, record, device) -> None:
     """torch context parallel and one GPU at one length and head layout."""
     n, h, hk, d = base["seq"], base["heads"], base["kv_heads"], args.dim
-    if not args.no_torch_cp:
+    if not args.no_torch_cp and device.type != "cuda":
+        record({**base, "impl": "torch_cp_cudnn", "skipped": TORCH_CP_CPU_SKIP})
+    elif not args.no_torch_cp:
         try:
-            for (rotate, with_bwd), ms in bench_torch_cp(n, h, hk, d, reps).items():
+            for (rotate, with_bwd), ms in bench_torch_cp(n, h, hk, d, reps, device).items():
                 record({**base, "impl": f"torch_cp_{rotate}_cudnn", "phase": "fwd_bwd" if with_bwd else "fwd",
                         "ms": ms, "tflops_per_gpu": tflops_per_gpu(n, h, d, with_bwd, world, ms)})
         except Exception:  # noqa: BLE001 - recorded in the results
             record({**base, "impl": "torch_cp_cudnn", **failure(limit=4)})
-        torch.cuda.empty_cache()
+        free_memory(device)
     if not args.no_single:
-        single = bench_single(n, h, hk, d, reps, dist.get_rank(), solo_group, args.backends.split(","))
+        single = bench_single(n, h, hk, d, reps, dist.get_rank(), solo_group, args.backends.split(","),
+                              device)
         obj = [single]
         dist.broadcast_object_list(obj, src=0)
         for (name, with_bwd), ms in obj[0].items():
@@ -258,14 +295,14 @@ def bench_peers(args, base: dict, world: int, reps: int, solo_group, record) -> 
             record(row)
 
 
-def bench_length(args, n: int, heads: str, world: int, solo_group, record) -> None:
+def bench_length(args, n: int, heads: str, world: int, solo_group, record, device) -> None:
     """Every row of one total length and head layout."""
     rank = dist.get_rank()
     h, hk = (int(x) for x in heads.split("/"))
     d, local = args.dim, n // world
     reps = args.reps if n <= 65536 else max(3, args.reps // 2)
-    g = torch.Generator(device="cuda").manual_seed(1000 + rank)
-    opts = dict(device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+    g = torch.Generator(device=device).manual_seed(1000 + rank)
+    opts = dict(device=device, dtype=dtype_on(device), generator=g, requires_grad=True)
     q = torch.randn(1, local, h, d, **opts)
     k = torch.randn(1, local, hk, d, **opts)
     v = torch.randn(1, local, hk, d, **opts)
@@ -273,69 +310,80 @@ def bench_length(args, n: int, heads: str, world: int, solo_group, record) -> No
     base = {"seq": n, "heads": h, "kv_heads": hk}
     bench_ours(args, (q, k, v, dout), base, world, reps, record)
     if args.trace and n == args.trace_seq and hk == h:
-        write_trace(q, k, v, dout, args.trace_backend, Path(args.out), rank, n)
+        for schedule in args.trace_schedules.split(","):
+            write_trace(q, k, v, dout, args.trace_backend, schedule, Path(args.out), rank, n)
     del q, k, v, dout
-    torch.cuda.empty_cache()
-    bench_peers(args, base, world, reps, solo_group, record)
+    free_memory(device)
+    bench_peers(args, base, world, reps, solo_group, record, device)
 
 
-def gpu_order_meta(args, world: int, local_rank: int) -> dict:
+def run_order_meta(args, device: torch.device, world: int) -> dict:
     """Run metadata, with the GPU each rank ran on (a slow GPU follows its bus id, a slow rank does not)."""
-    meta = run_meta(torch.cuda.get_device_name(), world, "nccl", "triton", env=MULTICAST_ENV)
-    meta.update(dtype="bfloat16", causal=True, head_dim=args.dim, batch=1, device_order=args.device_order)
+    cuda = device.type == "cuda"
+    packages = ("nccl", "triton") if cuda else ("triton",)
+    meta = run_meta(device_name(device), world, *packages, env=MULTICAST_ENV)
+    meta.update(dtype=str(dtype_on(device)).removeprefix("torch."), causal=True, head_dim=args.dim, batch=1,
+                device_order=args.device_order, backends=args.backends.split(","))
     gpus = [None] * world
-    props = torch.cuda.get_device_properties(local_rank)
-    dist.all_gather_object(gpus, {"cuda_index": local_rank, "pci_bus_id": getattr(props, "pci_bus_id", None),
-                                  "uuid": str(getattr(props, "uuid", ""))})
+    mine = None
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        mine = {"cuda_index": device.index, "pci_bus_id": getattr(props, "pci_bus_id", None),
+                "uuid": str(getattr(props, "uuid", ""))}
+    dist.all_gather_object(gpus, mine)
     meta["rank_gpus"] = gpus
     return meta
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> Path | None:
+    args = parse_args(argv)
     if args.plot_from:
         plot(json.loads(Path(args.plot_from).read_text())["rows"], Path(args.plot_from).with_suffix(".png"))
-        return
+        return None
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if args.device_order == "reversed":
+    if args.device_order == "reversed" and args.device == "cuda":
         local_rank = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count())) - 1 - local_rank
-    init_distributed("cuda", local_rank)
+    device, owns_group = init_distributed(args.device, local_rank)
     rank, world = dist.get_rank(), dist.get_world_size()
     bad = [n for n in (int(x) for x in args.seqs.split(",")) if n % world]
     if bad:
         raise SystemExit(f"--seqs {bad}: every total length must split into {world} equal shards")
     solo_groups = [dist.new_group([r]) for r in range(world)]
-    out_path = results_path(args.out, "dist", torch.cuda.get_device_name(), world, args.tag)
-    meta = gpu_order_meta(args, world, local_rank)
-    results = ResultsFile(out_path, meta, lambda rows: summarize(rows, world), rank=rank)
+    out_path = results_path(args.out, "dist", device_name(device), world, args.tag)
+    results = ResultsFile(out_path, run_order_meta(args, device, world), lambda rows: summarize(rows, world),
+                          rank=rank)
 
     def record(row):
-        cudnn = lightseq_hf.kernels._cache.get("sdpa_cudnn")
-        results.meta["cudnn_backward_fell_back_to_flash"] = getattr(cudnn, "_cudnn_backward_failed", None)
+        results.meta["cudnn_backward_fell_back_to_flash"] = cudnn_backward_fell_back()
         results.record(row)
 
     for n in [int(s) for s in args.seqs.split(",")]:
         for heads in args.heads.split(","):
-            bench_length(args, n, heads, world, solo_groups[rank], record)
+            bench_length(args, n, heads, world, solo_groups[rank], record, device)
     if rank == 0:
         print(json.dumps(summarize(results.rows, world), indent=1))
         try:
             plot(results.rows, out_path.with_suffix(".png"))
         except Exception:  # noqa: BLE001
             traceback.print_exc()
-    dist.destroy_process_group()
+    dist.barrier()
+    finish(owns_group)
+    return out_path
 
 
-def write_trace(q, k, v, dout, backend, out_dir, rank, n):
+def write_trace(q, k, v, dout, backend, schedule, out_dir, rank, n):
+    """A profiler trace (gzipped Chrome JSON) of one forward+backward of ours on this rank."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn = make_ours(q, k, v, dout, backend, "balanced", True)
+    fn = make_ours(q, k, v, dout, backend, schedule, True)
     fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    synchronize(q.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if q.is_cuda else [])
+    with profile(activities=activities) as prof:
         fn()
-        torch.cuda.synchronize()
-    prof.export_chrome_trace(str(out_dir / f"trace-dist-{n // 1024}k-{backend}-rank{rank}.json.gz"))
+        synchronize(q.device)
+    name = f"trace-dist-{n // 1024}k-{backend}-{schedule}-rank{rank}.json.gz"
+    prof.export_chrome_trace(str(out_dir / name))
 
 
 def _per_rank(rows, **match) -> list[float] | None:
@@ -370,6 +418,13 @@ def summarize(rows, world) -> dict:
             entry["vs_torch_cp_triton"] = min(cps) / ours_triton
         if ours and compute:
             entry["comm_overhead"] = ours / compute - 1
+        pipelined = find(rows, "ms", impl="pipelined_sdpa_cudnn", **m)
+        if pipelined and cps:
+            entry["vs_torch_cp_pipelined"] = min(cps) / pipelined
+        if pipelined and single:
+            entry["efficiency_pipelined"] = single / (world * pipelined)
+        if pipelined and compute:  # against the balanced schedule's compute (the same blocks, one step fewer)
+            entry["comm_overhead_pipelined"] = pipelined / compute - 1
         busy = _per_rank(rows, impl="compute_only_sdpa_cudnn", **m)
         if busy:
             entry["compute_spread"] = max(busy) / min(busy) - 1
@@ -401,7 +456,7 @@ def plot(rows, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, phase in zip(axes, ("fwd", "fwd_bwd")):
         mha = [r for r in rows if r.get("phase") == phase and "ms" in r and r["heads"] == r["kv_heads"]]
-        draw_lines(ax, {impl: [(r["seq"] // 1024, r["ms"]) for r in mha if r["impl"] == impl]
+        draw_lines(ax, {impl: [(r["seq"] / 1024, r["ms"]) for r in mha if r["impl"] == impl]
                         for impl in sorted({r["impl"] for r in mha})})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

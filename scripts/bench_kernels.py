@@ -5,12 +5,17 @@ head dims 128 and 64, causal and non-causal. Writes ``kernels-<device>-<date>.js
 to ``--out`` and prints a table. ``--plot-from FILE.json`` only redraws the plot from a JSON file.
 
 TFLOP/s: causal forward = 2*B*H*N^2*D, non-causal 4*B*H*N^2*D, forward+backward = 3.5x forward.
+
+``--device cpu`` is the smoke run: the Triton kernels in Triton's interpreter (set ``TRITON_INTERPRET=1``
+before Python starts), float32, the host clock, torch's math SDPA as the reference, no SDPA timings, e.g.
+``TRITON_INTERPRET=1 python scripts/bench_kernels.py --device cpu --seqs 128 --head-dims 64 --heads 2/2,2/1``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -19,8 +24,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve
 
 from benchlib.exactness import rel_err  # noqa: E402
 from benchlib.plots import draw_lines, pyplot, save  # noqa: E402
-from benchlib.results import device_slug, today, version  # noqa: E402
-from benchlib.timing import attention_flops  # noqa: E402
+from benchlib.results import device_name, device_slug, today, version  # noqa: E402
+from benchlib.timing import attention_flops, timed  # noqa: E402
 
 IMPLS = ("ours", "cudnn", "flash")
 
@@ -39,19 +44,21 @@ def measure_ceilings(torch, do_bench) -> dict:
     }
 
 
-def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool) -> dict:
-    """Closures over one shape's random bf16 inputs: ``ours_fwd``, ``ours_fwd_bwd``, ``ours_bwd`` (the
-    backward alone, of a forward made here; the only holder of its out and lse), ``sdpa_fwd(backend)``,
-    ``sdpa_fwd_bwd(backend)``; with ``sdpa_grads`` (the SDPA inputs, whose gradients the timer drops)
-    and ``rel_err_vs_flash`` (ours against SDPA flash, checked before any timing)."""
+def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> dict:
+    """Closures over one shape's random inputs (bf16; float32 on the CPU): ``ours_fwd``, ``ours_fwd_bwd``,
+    ``ours_bwd`` (the backward alone, of a forward made here; the only holder of its out and lse),
+    ``sdpa_fwd(backend)``, ``sdpa_fwd_bwd(backend)``; with ``sdpa_grads`` (the SDPA inputs, whose gradients
+    the timer drops) and ``rel_err_vs_flash`` (ours against SDPA flash, checked before any timing;
+    ``rel_err_vs_math`` against math SDPA on the CPU)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     torch.manual_seed(0)
-    q = torch.randn(1, n, h, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, n, hk, d, device="cuda", dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.randn(1, n, h, d, device=device, dtype=dtype)
+    k = torch.randn(1, n, hk, d, device=device, dtype=dtype)
+    v = torch.randn(1, n, hk, d, device=device, dtype=dtype)
     do = torch.randn_like(q)
     scale, gqa = d**-0.5, h != hk
     # SDPA inputs in (b, h, s, d), made contiguous outside the timed region.
@@ -76,49 +83,42 @@ def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool) -> dict:
         o.backward(dot)
 
     o, lse = ours_fwd()
-    err = rel_err(o.transpose(1, 2), sdpa_fwd(SDPBackend.FLASH_ATTENTION))
+    reference, backend = ("flash", SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else \
+        ("math", SDPBackend.MATH)
+    err = rel_err(o.transpose(1, 2), sdpa_fwd(backend))
     return {"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd, "sdpa_fwd": sdpa_fwd,
-            "sdpa_fwd_bwd": sdpa_fwd_bwd, "sdpa_grads": [qt, kt, vt], "rel_err_vs_flash": err,
+            "sdpa_fwd_bwd": sdpa_fwd_bwd, "sdpa_grads": [qt, kt, vt], f"rel_err_vs_{reference}": err,
             "ours_bwd": lambda: kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
 
 
-def bench_shape(kern, bench, ceil: dict, n: int, h: int, hk: int, d: int, causal: bool) -> dict:
-    """One row: ours, SDPA cuDNN and SDPA flash, forward and forward+backward, at one shape."""
+def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int, causal: bool,
+                device) -> dict:
+    """One row: ours, SDPA cuDNN and SDPA flash (GPU only), forward and forward+backward, at one shape."""
     from torch.nn.attention import SDPBackend
 
-    fns = kernel_fns(kern, n, h, hk, d, causal)
+    fns = kernel_fns(kern, n, h, hk, d, causal, device)
     row = {"seq": n, "heads": h, "kv_heads": hk, "head_dim": d, "causal": causal,
-           "rel_err_vs_flash": fns["rel_err_vs_flash"]}
+           **{key: value for key, value in fns.items() if key.startswith("rel_err_vs_")}}
     row["ours_bwd_only_ms"] = bench(fns.pop("ours_bwd"))  # frees the forward's out and lse
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
     for mode in ("fwd", "fwd_bwd"):
         sdpa = fns[f"sdpa_{mode}"]
         ms = {"ours": bench(fns[f"ours_{mode}"])}
-        ms.update({impl: bench(lambda be=be: sdpa(be), fns["sdpa_grads"]) for impl, be in backends.items()})
+        ms.update({impl: bench(lambda be=be: sdpa(be), fns["sdpa_grads"]) if device.type == "cuda" else None
+                   for impl, be in backends.items()})
         fl = attention_flops(1, h, n, d, causal=causal, with_bwd=mode == "fwd_bwd")
         row[mode] = {impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9} for impl, t in ms.items()}
         for impl in backends:
             row[mode][f"{impl}_over_ours"] = (
                 None if ms[impl] is None or ms["ours"] is None else ms[impl] / ms["ours"]
             )
-        row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9
+        row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9 if ceil else None
     return row
 
 
-def run(args) -> dict:
-    import torch
+def gpu_timer(args, torch):
+    """``bench(fn, grad_to_none)``: do_bench's median ms, None when the call fails (and says why)."""
     from triton.testing import do_bench
-
-    from lightseq_hf.kernels import triton_attn
-
-    kern = triton_attn.TritonKernel()
-    dev_name = torch.cuda.get_device_name()
-    ceil = measure_ceilings(torch, do_bench)
-    print(
-        f"device {dev_name}: matmul {ceil['matmul_bf16_8192_tflops']:.0f} TFLOP/s, "
-        f"copy {ceil['copy_bandwidth_tbps']:.2f} TB/s",
-        flush=True,
-    )
 
     def bench(fn, grad_to_none=None):
         try:
@@ -130,29 +130,68 @@ def run(args) -> dict:
             torch.cuda.synchronize()
             return None
 
+    return bench
+
+
+def cpu_timer(device):
+    """``bench(fn, grad_to_none)`` on the CPU: the host clock's median of 2 runs after one warm-up."""
+    def bench(fn, grad_to_none=None):
+        def run():
+            fn()
+            for t in grad_to_none or ():
+                t.grad = None
+        return timed(run, 2, device, collective=False)
+
+    return bench
+
+
+def head_layouts(spec: str, n: int) -> list[tuple[int, int]]:
+    """``auto``: 32/32 and 32/8 (8/8 and 8/2 from 64K tokens); else ``H/HK,...``."""
+    if spec != "auto":
+        return [tuple(int(x) for x in pair.split("/")) for pair in spec.split(",")]
+    return [(8, 8), (8, 2)] if n >= 65536 else [(32, 32), (32, 8)]
+
+
+def run(args) -> dict:
+    import torch
+
+    from lightseq_hf.kernels import triton_attn
+
+    device = torch.device(args.device)
+    kern = triton_attn.TritonKernel()
+    dev_name = device_name(device)
+    ceil, bench = None, cpu_timer(device)
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        ceil, bench = measure_ceilings(torch, do_bench), gpu_timer(args, torch)
+        print(f"device {dev_name}: matmul {ceil['matmul_bf16_8192_tflops']:.0f} TFLOP/s, "
+              f"copy {ceil['copy_bandwidth_tbps']:.2f} TB/s", flush=True)
+
     rows = []
     t_start = time.time()
     for n in args.seqs:
-        heads = [(8, 8), (8, 2)] if n >= 65536 else [(32, 32), (32, 8)]
-        for h, hk in heads:
+        for h, hk in head_layouts(args.heads, n):
             for d in args.head_dims:
                 for causal in (True, False):
-                    rows.append(bench_shape(kern, bench, ceil, n, h, hk, d, causal))
+                    rows.append(bench_shape(kern, bench, ceil, n, h, hk, d, causal, device))
                     if args.partial:  # survive a time limit: keep what is measured so far
                         Path(args.partial).write_text(json.dumps({"rows": rows, "ceilings": ceil}, indent=1))
                     print(fmt_row(rows[-1]), f"[{time.time() - t_start:.0f}s]", flush=True)
-                    torch.cuda.empty_cache()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
 
     return {
         "device": dev_name,
         "date": today(),
         "versions": {package: version(package) for package in ("torch", "triton", "cuda", "cudnn")},
         "config": {
-            "dtype": "bfloat16",
+            "dtype": "bfloat16" if device.type == "cuda" else "float32",
             "batch": 1,
             "warmup_ms": args.warmup,
             "rep_ms": args.rep,
-            "timing": "triton.testing.do_bench median",
+            "timing": "triton.testing.do_bench median" if device.type == "cuda" else
+                      "host clock, median of 2 after one warm-up (Triton's interpreter)",
             "flops": "causal fwd 2*B*H*N^2*D, non-causal 4*B*H*N^2*D, fwd+bwd 3.5x fwd",
         },
         "ceilings": ceil,
@@ -183,14 +222,11 @@ def summarize(rows: list[dict]) -> dict:
 
 def resource_report() -> list[dict]:
     """Registers, spills and shared memory of every compiled variant of our kernels."""
-    from lightseq_hf.kernels import triton_bwd, triton_fwd
+    from lightseq_hf._testing.kernel_knobs import AUTOTUNED, triton_kernels
 
     out = []
-    for name, at in (
-        ("fwd", triton_fwd._attn_fwd),
-        ("dkdv", triton_bwd._attn_bwd_dkdv),
-        ("dq", triton_bwd._attn_bwd_dq),
-    ):
+    kernels = triton_kernels()
+    for name, at in ((name, kernels[name]) for name in AUTOTUNED):
         best = {str(k): str(v) for k, v in getattr(at, "cache", {}).items()}
         jit = at.fn
         caches = getattr(jit, "device_caches", {}) or {}
@@ -253,28 +289,34 @@ def plot(res: dict, path: Path) -> None:
     axes[1][0].set_xlabel("sequence length")
     axes[1][1].set_xlabel("sequence length")
     axes[0][0].legend(fontsize=7, ncol=3)
-    fig.suptitle(
-        f"{res['device']} bf16, batch 1 ({res['date']}); matmul "
-        f"{res['ceilings']['matmul_bf16_8192_tflops']:.0f} TFLOP/s"
-    )
+    ceil = res["ceilings"]
+    fig.suptitle(f"{res['device']} {res['config']['dtype']}, batch 1 ({res['date']})"
+                 + (f"; matmul {ceil['matmul_bf16_8192_tflops']:.0f} TFLOP/s" if ceil else ""))
     save(fig, path)
     print(f"wrote {path}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> Path | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "benchmarks" / "results"))
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     p.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    p.add_argument("--heads", default="auto",
+                   help="query/kv heads H/HK,... (auto: 32/32,32/8; 8/8,8/2 from 64K)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: the smoke run in Triton's interpreter (TRITON_INTERPRET=1)")
     p.add_argument("--warmup", type=float, default=10.0, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=60.0, help="do_bench repetitions, ms")
     p.add_argument("--partial", default=None, help="rewrite this JSON file after every row")
     p.add_argument("--plot-from", default=None, help="redraw the plot from this JSON and exit")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.plot_from:
         src = Path(args.plot_from)
         plot(json.loads(src.read_text()), src.with_suffix(".png"))
-        return
+        return None
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the Triton kernels in Triton's interpreter: "
+                         "set TRITON_INTERPRET=1")
     res = run(args)
     slug = device_slug(res["device"], short=True)
     out = Path(args.out)
@@ -291,6 +333,7 @@ def main() -> None:
         print(fmt_row(r))
     print("summary:", json.dumps(res["summary"]))
     print("ceilings:", json.dumps(res["ceilings"]))
+    return path
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ limit (one call of one-token sequences did not return).
 Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table; the summary has
 ``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K) and
 ``packed_speedup_vs_triton`` (Triton packed time over the best packed backend's, 64K).
+
+``--device cpu`` is the smoke run (float32, the host clock, Triton's interpreter: set TRITON_INTERPRET=1;
+the backends that need a GPU are left out), e.g. ``--device cpu --seqs 256 --dims 64 --heads 2/1
+--extra-dim-seq "" --flex-seqs "" --median 32 --max-doc 128 --no-cudnn-varlen``.
 """
 
 from __future__ import annotations
@@ -27,8 +31,8 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from benchlib.exactness import rel_err  # noqa: E402
-from benchlib.results import device_slug, today, version  # noqa: E402
-from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops  # noqa: E402
+from benchlib.results import device_name, device_slug, today, version  # noqa: E402
+from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops, timed  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402
 
 from lightseq_hf.kernels import cudnn_ops, cudnn_varlen, flash_varlen  # noqa: E402
@@ -56,7 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time cudnn_varlen also where its torch is refused (its backward may be wrong)")
     p.add_argument("--fact", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke run")
     return p.parse_args(argv)
+
+
+def wall_and_gpu_ms(run, dev) -> tuple[float, float | None]:
+    """Wall ms (CUDA events; the host clock on the CPU) and the kernels' own ms (None on the CPU)."""
+    if dev.type != "cuda":
+        return timed(run, 2, dev, collective=False), None
+    return adaptive_event_ms(run), kernel_ms(run)
 
 
 def packed_runners(seg, q, k, v, dout, scale, seq, args):
@@ -124,7 +136,7 @@ def dense_runner(q, k, v, dout, scale):
     def make(kk, vv, gqa):
         def run():
             qt.grad = kk.grad = vv.grad = None
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION if q.is_cuda else SDPBackend.MATH):
                 out = F.scaled_dot_product_attention(qt, kk, vv, is_causal=True, scale=scale, enable_gqa=gqa)
             out.backward(dt)
         return run
@@ -139,12 +151,13 @@ def dense_runner(q, k, v, dout, scale):
 
 
 def bench_row(seq, d, args, h, hk, t0) -> dict:
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     docs = lognormal_docs(seq, median=args.median, sigma=args.sigma, max_len=args.max_doc, seed=1000 + seq)
     seg = Segments(seq, (docs,))
     g = torch.Generator(device=dev).manual_seed(seq + d)
-    q, dout = (torch.randn(1, seq, h, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in "qd")
-    k, v = (torch.randn(1, seq, hk, d, device=dev, generator=g, dtype=torch.bfloat16) for _ in "kv")
+    q, dout = (torch.randn(1, seq, h, d, device=dev, generator=g, dtype=dtype) for _ in "qd")
+    k, v = (torch.randn(1, seq, hk, d, device=dev, generator=g, dtype=dtype) for _ in "kv")
     scale = d ** -0.5
     pairs = sum((b - a) * (b - a + 1) // 2 for a, b in docs)
     flops = pair_flops(h, d, pairs, with_bwd=True)
@@ -159,16 +172,16 @@ def bench_row(seq, d, args, h, hk, t0) -> dict:
                 ref = (out.float(), dq.float())
             row["rel_err"][name] = [rel_err(x, r) for x, r in zip((out, dq), ref)]
             del out, dq
-            ms, gpu_ms = adaptive_event_ms(run), kernel_ms(run)
+            ms, gpu_ms = wall_and_gpu_ms(run, dev)
             row["fwd_bwd"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "gpu_ms": gpu_ms}
         except Exception as e:  # a backend may refuse a shape: recorded, the table goes on
             row["fwd_bwd"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         print(f"  {seq // 1024}K d{d} {name}: {row['fwd_bwd'][name]} [{time.time() - t0:.0f}s]", flush=True)
         torch.cuda.empty_cache()
     run, gqa = dense_runner(q, k, v, dout, scale)
-    ms = adaptive_event_ms(run)
+    ms, dense_gpu_ms = wall_and_gpu_ms(run, dev)
     row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa,
-                          "gpu_ms": kernel_ms(run)}
+                          "gpu_ms": dense_gpu_ms}
     print(f"  {seq // 1024}K d{d} dense cuDNN: {row['dense_cudnn']}", flush=True)
     ok = {n: r["ms"] for n, r in row["fwd_bwd"].items() if "ms" in r}
     if not ok:
@@ -284,11 +297,13 @@ def main(argv=None) -> None:
     if args.extra_dim_seq:
         s, d = args.extra_dim_seq.split(":")
         plan.append((int(s), int(d)))
-    name = torch.cuda.get_device_name()
+    name = device_name(args.device)
     res = {"device": name, "date": today(),
            "versions": {package: version(package) for package in ("torch", "triton", "cuda", "cudnn")},
-           "config": {"dtype": "bfloat16", "batch": 1, "heads": h, "kv_heads": hk, "median": args.median,
-                      "sigma": args.sigma, "max_doc": args.max_doc, "timing": "CUDA events, median",
+           "config": {"dtype": "bfloat16" if args.device == "cuda" else "float32",
+                      "batch": 1, "heads": h, "kv_heads": hk, "median": args.median,
+                      "sigma": args.sigma, "max_doc": args.max_doc,
+                      "timing": "CUDA events, median" if args.device == "cuda" else "host clock, median",
                       "flops": "useful pairs x 4*heads*dim, fwd+bwd 3.5x"},
            "rows": []}
     if not args.no_cudnn_varlen:

@@ -19,9 +19,13 @@ rank's host peak. ``--search-max-context`` tries the lengths of ``--seqs`` in as
 until a step fails, per variant (run it under ``timeout``: a rank that runs out of memory
 alone would leave its peer waiting); its probes allocate the AdamW state before the first
 step, so one step per length holds everything a steady-state step holds. ``--merge OUT IN...``
-joins results files of one model into OUT and recomputes its summary. bf16 compute, float32 master
-weights and optimizer state (FSDP2 mixed precision). ``--model tiny`` runs a small model on CPU
-processes (gloo) as a smoke test.
+joins results files of one model into OUT and recomputes its summary. ``--rung`` measures one
+variant at one length as one rung of ``scripts/maxctx_ladder.py`` (a search probe, its row written to
+``--row-out``; a rank that fails writes its own row beside it and ends at once, so that the launcher ends
+its peers instead of leaving them in a collective). bf16 compute, float32 master weights and optimizer
+state (FSDP2 mixed precision). Every process starts with ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
+unless the environment sets the allocator, as the fine-tune's workers do (recorded as ``alloc_conf`` and
+``alloc_conf_set_by``). ``--model tiny`` runs a small model on CPU processes (gloo) as a smoke test.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when this file is loaded by path
 
+from benchlib.ladder import offload_spec, planner_inputs  # noqa: E402
 from benchlib.launch import free_memory, init_distributed  # noqa: E402
 from benchlib.peers import torch_context_parallel  # noqa: E402
 from benchlib.plots import pyplot, save  # noqa: E402
@@ -48,9 +53,14 @@ from benchlib.timing import matmul_peak_flops, slowest, synchronize  # noqa: E40
 from benchlib.workloads import SHAPES, build_model, llama_config  # noqa: E402
 
 from lightseq_hf import metrics  # noqa: E402
+from lightseq_hf.memory import HostPeak, StepMemory  # noqa: E402
+from lightseq_hf.training.launch import use_expandable_segments  # noqa: E402
+
+#: the allocator settings a user may give (torch reads the newer name first)
+ALLOC_CONFS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="7b", choices=sorted(SHAPES))
     p.add_argument("--seqs", default="32768,65536", help="total tokens per sequence")
@@ -73,7 +83,15 @@ def parse_args() -> argparse.Namespace:
                         "the searches do: timed 128K rows of each memory option beside the longest contexts")
     p.add_argument("--merge", nargs="+", default=None, metavar="PATH",
                    help="OUT IN...: join the rows of results files into OUT, recompute the summary")
-    return p.parse_args()
+    p.add_argument("--rung", action="store_true",
+                   help="one variant at one length as a search probe; the row goes to --row-out")
+    p.add_argument("--row-out", default=None, help="--rung: where rank 0 writes {meta, row}")
+    p.add_argument("--gpu-budget-gib", type=float, default=None,
+                   help="+offloadauto: device memory per rank the planner fits (default: 95%% of the GPU)")
+    p.add_argument("--host-budget-gib", type=float, default=None,
+                   help="+offloadauto: host memory per rank the planner fits (default: 90%% of what "
+                        "/proc/meminfo says is available, split over the processes)")
+    return p.parse_args(argv)
 
 
 def model_flops(shape, n: int) -> float:
@@ -126,38 +144,23 @@ def parse_variant(variant: str) -> tuple[str, set]:
     return base, set(options)
 
 
-def offload_option(options: set, shape, n: int, world: int, device: torch.device):
+def offload_option(options: set, shape, n: int, world: int, device: torch.device, budgets=(None, None),
+                   base: str = "remat"):
     """What ``+offload`` / ``+offloadN`` / ``+offloadauto`` ask of ``patch_llama(offload_checkpoints=)``
-    (auto: the planner's fewest layers for this device and host, as ``training.offload_checkpoints:
-    auto`` decides in finetune.py)."""
-    spec = next((o[7:] for o in options if o.startswith("offload")), None)
-    if spec is None:
-        return False
-    if spec == "":
-        return True
-    if spec.isdigit():
-        return int(spec)
+    (auto: the planner's fewest layers for ``budgets`` = (device, host) GiB per rank, each defaulting to
+    this device and host, as ``training.offload_checkpoints: auto`` decides in finetune.py)."""
+    spec = offload_spec(options)
+    if spec != "auto":
+        return spec
     from lightseq_hf.memory import memory_budget
     from lightseq_hf.planner import layers_to_offload
 
-    model_shape, opts = plan_inputs(options, shape, n, world)
+    model_shape, opts = planner_inputs("+".join([base, *sorted(options)]), shape, n, world, offload=False)
     gpu, host = memory_budget(device, world)
+    gpu = gpu if budgets[0] is None else budgets[0] * 2**30
+    host = host if budgets[1] is None else budgets[1] * 2**30
     chosen = layers_to_offload(model_shape, opts, gpu, host)
     return model_shape.layers if chosen is None else chosen
-
-
-def plan_inputs(options: set, shape, n: int, world: int, offload: bool | int = False, tile: int = 8192):
-    """The planner's (ModelShape, PlanOptions) for our variant's options."""
-    from lightseq_hf.planner import ModelShape, PlanOptions
-
-    hidden, inter, layers, heads, kv_heads, vocab = shape
-    model_shape = ModelShape(hidden=hidden, intermediate=inter, layers=layers, heads=heads, kv_heads=kv_heads,
-                             head_dim=hidden // heads, vocab=vocab)
-    opts = PlanOptions(context=n, sp_size=world, world=world, sharding="fsdp" if world > 1 else "replicated",
-                       tiled_mlp=tile if "tiled" in options else None, cpu_offload="cpuadam" in options,
-                       offload_checkpoints=offload)
-    return model_shape, opts
-
 
 
 def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=8192, offload=False):
@@ -212,35 +215,57 @@ def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=
     return model, step
 
 
-def run_variant(variant, shape, n, steps, backend, device, world, preallocate=False, tile=8192,
-                offload=False):
-    """Median step seconds, peak memory (GiB) per rank, loss, the allocator breakdown of the last step
-    and each rank's host peak (GiB) of one variant (``preallocate``: AdamW state allocated before the
-    first step)."""
-    from lightseq_hf.memory import HostPeak, StepMemory
+class PhaseProbe(StepMemory):
+    """The allocator's marks, and (on any device) the phases a step has finished."""
 
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.finished: list[str] = []
+
+    def mark(self, name, model=None, optimizer=None) -> None:
+        super().mark(name, model, optimizer)
+        self.finished.append(name)
+
+    def running(self) -> str:
+        """The phase the step is in: the one after the last finished."""
+        order = ("forward", "backward", "optimizer")
+        return order[min(len(self.finished), len(order) - 1)]
+
+
+def run_variant(variant, shape, n, steps, backend, device, world, preallocate=False, tile=8192,
+                offload=False) -> dict:
+    """One variant: its median step seconds (``step_s``), peak memory (GiB) per rank, loss, the allocator
+    breakdown of the last step, and each rank's host peak and its rise over the step's start (GiB)
+    (``preallocate``: AdamW state allocated before the first step). An exception carries the phase it
+    came from as ``failed_phase``."""
     model, step = prepare_variant(variant, shape, n, backend, device, preallocate, tile, offload)
     times, peak_all = [], 0.0
     for i in range(steps):
         synchronize(device)
         dist.barrier()
-        probe = StepMemory(device)  # resets the peak: each step's phases on their own
+        probe = PhaseProbe(device)  # resets the peak: each step's phases on their own
         t0 = time.perf_counter()
-        with HostPeak() as host:
-            loss = step(probe)
-            synchronize(device)
+        try:
+            with HostPeak() as host:
+                loss = step(probe)
+                synchronize(device)
+        except Exception as err:
+            err.failed_phase = probe.running()
+            raise
         if i > 0 or steps == 1:
             times.append(time.perf_counter() - t0)
         if probe.marks:
             peak_all = max(peak_all, max(m["peak"] for m in probe.marks) / 2**30)
-    peaks = [None] * world
-    dist.all_gather_object(peaks, peak_all if device.type == "cuda" else None)
-    hosts = [None] * world
-    dist.all_gather_object(hosts, host.peak_bytes / 2**30 if host.available else None)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (peak_all if device.type == "cuda" else None,
+                                      host.peak_bytes / 2**30 if host.available else None,
+                                      host.start_bytes / 2**30 if host.available else None))
     offloader = model.__dict__.get("lightseq_offloader")
     if offloader is not None:  # unpin this variant's host buffers before the next variant
         offloader.release_host_memory()
-    return statistics.median(slowest(times, device)), peaks, float(loss), probe.breakdown(), hosts
+    return {"step_s": statistics.median(slowest(times, device)), "peak_gib": [g[0] for g in gathered],
+            "loss": float(loss.detach()), "memory_breakdown": probe.breakdown(),
+            "host_peak_gib": [g[1] for g in gathered], "host_start_gib": [g[2] for g in gathered]}
 
 
 def use_chunked_loss(model) -> None:
@@ -303,6 +328,7 @@ def train_meta(args, device: torch.device, world: int, peak_measured: float | No
     meta = run_meta(device_name(device), world, "transformers")
     meta.update(model=args.model, shape=SHAPES[args.model], backend=args.backend,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                alloc_conf_set_by=getattr(args, "alloc_conf_set_by", None),
                 matmul_peak_tflops=peak_measured / 1e12 if peak_measured else None,
                 mfu_peak_tflops=metrics.peak_tflops(device),
                 notes="FSDP2 (bf16 params, fp32 reduce and master weights), AdamW, batch 1, gradient "
@@ -342,18 +368,24 @@ def search_max_context(args, variants, seqs, measure_row, record) -> None:
         last = None
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.plot_from:
         plot(args.plot_from)
         return
     if args.merge:
         merge(Path(args.merge[0]), [Path(p) for p in args.merge[1:]])
         return
+    args.alloc_conf_set_by = "environment" if any(os.environ.get(k) for k in ALLOC_CONFS) else "bench_train"
+    use_expandable_segments()  # before this process's first CUDA allocation
     cuda = torch.cuda.is_available() and args.model != "tiny"
     device, _ = init_distributed("cuda" if cuda else "cpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     shape = SHAPES[args.model]
+    if args.rung:
+        measure_rung(args, shape, device, world, rank, cuda)
+        dist.destroy_process_group()
+        return
     kind = "maxctx" if args.search_max_context or args.maxctx else "train"
     path = results_path(args.out, kind, device_name(device), world,
                         args.model if args.model != "7b" else "", args.tag)
@@ -386,32 +418,80 @@ def measure(variant, n, args, shape, device, world, peak_measured, search=False)
     row = {"seq": n, "tokens_per_gpu": n // world, "variant": variant, "search": search}
     try:
         base, options = parse_variant(variant)
-        offload = offload_option(options, shape, n, world, device) if base in ("remat", "hf") else False
+        budgets = (args.gpu_budget_gib, args.host_budget_gib)
+        offload = offload_option(options, shape, n, world, device, budgets, base) \
+            if base in ("remat", "hf") else False
         result = run_variant(variant, shape, n, args.steps, args.backend, device, world,
                              preallocate=search, tile=args.tile, offload=offload)
-        sec, peaks, loss, breakdown, host_peaks = result
+        sec = result["step_s"]
         flops = model_flops(shape, n)
-        row.update(step_s=sec, timed_steps=max(args.steps - 1, 1), includes_warmup=args.steps == 1,
-                   optimizer_state_preallocated=search,
-                   tokens_per_s=n / sec, peak_gib=peaks, loss=loss, memory_breakdown=breakdown,
-                   host_peak_gib=host_peaks,
-                   mfu=metrics.mfu(flops, sec, world, metrics.peak_tflops(device)))
+        row.update(result, timed_steps=max(args.steps - 1, 1), includes_warmup=args.steps == 1,
+                   optimizer_state_preallocated=search, tokens_per_s=n / sec,
+                   mfu=metrics.mfu(flops, sec, world, metrics.peak_tflops(device)),
+                   **bytes_per_token(result, n // world))
         if peak_measured:
             row["mfu_vs_measured_matmul"] = metrics.mfu(flops, sec, world, peak_measured / 1e12)
-        if base in ("remat", "hf") and world > 1:  # the planner's prediction beside the measured peaks
-            from lightseq_hf.planner import plan_memory
-
-            model_shape, opts = plan_inputs(options, shape, n, world, offload, args.tile)
-            plan = plan_memory(model_shape,
-                               dataclasses.replace(opts, checkpointing=base, optimizer_state=True))
-            row.update(offload_layers=offload, planned_gpu_gib=plan.peak_gpu / 2**30,
-                       planned_host_gib=plan.peak_host / 2**30)
+        if world > 1 and base != "single":  # the planner's prediction beside the measured peaks
+            row.update(planned(variant, shape, n, world, offload if base in ("remat", "hf") else None,
+                               args.tile))
     except Exception as err:  # noqa: BLE001 - recorded in the results
         # out of memory: the allocator's account (the request, the free and the reserved-but-unused bytes)
-        row.update(failure(err, limit=4))
+        row.update(failure(err, limit=4), failed_phase=getattr(err, "failed_phase", "set-up"))
         free_memory(device)
     free_memory(device)  # free the variant's model and optimizer before the next one
     return row
+
+
+def bytes_per_token(result: dict, tokens_per_rank: int) -> dict:
+    """What the step held per token of a rank: on the device, the largest phase peak above the
+    weights, gradients and optimizer state (and that static part, GiB); on the host, the largest rise
+    of a rank's resident memory over the step's start (and the largest start, GiB)."""
+    out = {}
+    phases = [p for p in result["memory_breakdown"].values() if "peak_minus_static_gib" in p]
+    if phases:
+        top = max(phases, key=lambda p: p["peak_gib"])
+        out.update(device_bytes_per_token=top["peak_minus_static_gib"] * 2**30 / tokens_per_rank,
+                   device_static_gib=top["peak_gib"] - top["peak_minus_static_gib"])
+    hosts = [(peak, start) for peak, start in zip(result["host_peak_gib"], result["host_start_gib"])
+             if peak is not None and start is not None]
+    if hosts:
+        out.update(host_bytes_per_token=max(p - s for p, s in hosts) * 2**30 / tokens_per_rank,
+                   host_static_gib=max(s for _, s in hosts))
+    return out
+
+
+def planned(variant, shape, n, world, offload, tile) -> dict:
+    """The planner's peaks for ours (``planned_*``, ``offload_layers``); for torch context parallel its
+    approximation as Hugging Face checkpointing (``estimated_*``)."""
+    from lightseq_hf.planner import plan_memory
+
+    model_shape, opts = planner_inputs(variant, shape, n, world, tile, offload)
+    plan = plan_memory(model_shape, dataclasses.replace(opts, optimizer_state=True))
+    if offload is None:
+        return {"estimated_gpu_gib": plan.peak_gpu / 2**30, "estimated_host_gib": plan.peak_host / 2**30}
+    return {"offload_layers": offload, "planned_gpu_gib": plan.peak_gpu / 2**30,
+            "planned_host_gib": plan.peak_host / 2**30}
+
+
+def measure_rung(args, shape, device, world, rank, cuda) -> None:
+    """``--rung``: one variant at one length, one step with the AdamW state allocated first. Rank 0
+    writes ``{meta, row}`` to ``--row-out``; a rank whose step fails writes its row to
+    ``<row-out>.rank<r>`` and ends at once (exit status 3): its peers, waiting in a collective, are
+    ended by the launcher."""
+    (n,) = [int(s) for s in args.seqs.split(",")]
+    check_variants([args.variants], world, cuda)
+    row = measure(args.variants, n, args, shape, device, world, None, search=True)
+    out = Path(args.row_out)
+    if "error" in row:
+        out.with_name(f"{out.name}.rank{rank}").write_text(json.dumps({**row, "failed_rank": rank}, indent=1))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)
+    cards = [None] * world
+    dist.all_gather_object(cards, device_name(device))
+    row["cards"] = cards
+    if rank == 0:
+        out.write_text(json.dumps({"meta": train_meta(args, device, world, None), "row": row}, indent=1))
 
 
 def merge(out: Path, inputs: list[Path]) -> None:

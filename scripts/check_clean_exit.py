@@ -60,8 +60,8 @@ def _why(output: str) -> str:
 def one_run(nproc: int, steps: int, timeout: float, ending: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                __file__, "--worker", "--steps", str(steps), "--ending", ending]
-    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

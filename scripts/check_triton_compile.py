@@ -31,6 +31,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from lightseq_hf._testing.kernel_knobs import triton_kernels  # noqa: E402
 from lightseq_hf.kernels import triton_bwd, triton_fwd  # noqa: E402
 
 FLOAT_ARGS = ("qk_scale", "scale")
@@ -65,12 +66,13 @@ def variants(dtype: str, head_dim: int, all_configs: bool):
     """(name, jit function, pointer types, constexprs, num_warps, num_stages) of every variant."""
     el = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
     d_pad = triton.next_power_of_2(head_dim)
-    yield ("delta", triton_bwd._delta_kernel, {"Out": el, "DOut": el, "Delta": "*fp32"},
+    handles = triton_kernels()
+    yield ("delta", handles["delta"], {"Out": el, "DOut": el, "Delta": "*fp32"},
            {"HEAD_DIM": head_dim, "D_PAD": d_pad, "BLOCK_M": 64}, 4, 3)
     grads = {"DK": "*fp32", "DV": "*fp32", "DQ": "*fp32"}
-    kernels = (("fwd", triton_fwd._attn_fwd, triton_fwd.FWD_CONFIGS),
-               ("dkdv", triton_bwd._attn_bwd_dkdv, triton_bwd.DKDV_CONFIGS),
-               ("dq", triton_bwd._attn_bwd_dq, triton_bwd.DQ_CONFIGS))
+    kernels = (("fwd", handles["fwd"], triton_fwd.FWD_CONFIGS),
+               ("dkdv", handles["dkdv"], triton_bwd.DKDV_CONFIGS),
+               ("dq", handles["dq"], triton_bwd.DQ_CONFIGS))
     ranges = ("KLo", "KHi", "QLo", "QHi")
     # (causal, ranged): the causal / full kernels (range pointers None), and the document-mask ones
     for causal, ranged in ((True, False), (False, False), (False, True)):

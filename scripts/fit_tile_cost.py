@@ -2,7 +2,7 @@
 
 Reads ``scripts/replay_packed.py`` results (JSON lines: one per layout and rank, with the tasks that
 rank computed and its compute-only forward+backward milliseconds), counts each rank's modeled quantities
-with the schedule's own code (:class:`~lightseq_hf.parallel.segment_schedule.BlockTiles`): tiles visited,
+with the schedule's own code (:func:`~lightseq_hf.parallel.segment_schedule.block_tiles`): tiles visited,
 masked tiles, query-row tiles, tasks, rows computed for another rank and rows of its own merged from
 another, and fits ``busy = sum(coefficient * quantity) + common * chunk rows`` by least squares on the
 relative error with non-negative coefficients (``common``, the same for every rank of a layout, absorbs
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightseq_hf.parallel.segment_schedule import TileCost, _Blocks  # noqa: E402
+from lightseq_hf.parallel.segment_schedule import TileCost, block_tiles  # noqa: E402
 from lightseq_hf.parallel.segments import Segments  # noqa: E402
 
 QUANTITIES = ("tiles", "masked", "row_tiles", "tasks", "helper_rows", "owner_rows", "common")
@@ -51,13 +51,15 @@ def rank_quantities(rows: list[dict], tile_m: int, tile_n: int) -> list[dict]:
         first = ranks[0]
         seg = Segments(first["seq"], (tuple(tuple(d) for d in first["docs"]),))
         world = first["world"]
-        blocks = _Blocks(seg, world, True, None, TileCost(tile_m=tile_m, tile_n=tile_n))
+        model, tiles = TileCost(tile_m=tile_m, tile_n=tile_n), {}
         q = [dict.fromkeys(QUANTITIES, 0.0) for _ in range(world)]
         for r in ranks:
             mine = q[r["rank"]]
             mine["common"] = seg.length // world / 1e4
             for i, j, a, b, *_ in r["tasks"]:
-                visited, masked = blocks.tiles(i, j).tile_counts(a, b)
+                if (i, j) not in tiles:
+                    tiles[i, j] = block_tiles(seg, world, True, None, i, j, model)
+                visited, masked = tiles[i, j].tile_counts(a, b)
                 mine["tiles"] += visited
                 mine["masked"] += masked
                 mine["row_tiles"] += math.ceil((b - a) / tile_m)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]  # benchlib
 
 from benchlib.ablations import ComputeOnlyComm  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402

@@ -2,7 +2,7 @@
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
 # Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|
 #                                                  prefill|x4|x4-train|maxctx-*|all]
-#   tests        the GPU test modules
+#   tests        the GPU test modules (scripts/run_gpu_tests.sh; log OUT_DIR/gpu-tests.log)
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
 #   packed       packed rows (64K, 128K; log-normal document lengths): ours against the same tokens unpacked,
@@ -18,6 +18,12 @@
 #                GPU and host), maxctx-ours-cpuadam (+ FSDP2 CPU offload),
 #                maxctx-cp (torch CP at its best: chunked loss + transformers' offload), maxctx-cp-plain
 #                (chunked loss, HF checkpointing without offload); SEQS overrides a search's ladder
+#   maxctx-plan  the longest-context ladder's plan (scripts/maxctx_ladder.py plan): per model, ours with the
+#                planner's options and torch CP at its best, their first rungs and estimated minutes; runs nothing
+#   maxctx-start that ladder, detached (returns at once): each rung one full optimizer step in its own launch
+#                under its own time limit; HOST_GIB the host's memory (required: 256 for 2 GPUs, 512 for 4),
+#                MODELS (8b,7b), BUDGET_MIN (15), RUNG_MIN (default BUDGET_MIN / ladders), GPUS (all)
+#   maxctx-poll  the ladder's progress and summary, waiting up to WAIT seconds (540) for its end
 #   prefill      first-token latency (scripts/bench_prefill.py, forward only, 7B shape): one GPU at 32K-128K
 #                (SEQS1), then all GPUs at 32K-512K (SEQS; ours against torch CP, with the one-GPU rows)
 #   x4           the 4-GPU set in one call (<= 9 min, each step under its own time limit):
@@ -27,15 +33,20 @@
 #   x4-train     the 4-GPU training half on 4 GPUs (<= 9.5 min): bench_dist_attn 32K-256K as in x4 (X4_DIST=0
 #                skips it), then Llama-2-7B training steps at TRAIN_SEQS (128K and 256K), ours (remat) against torch CP
 # (prefill, x4 and x4-train are not part of all)
-# Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR.
+# Multicast stays off (shared machines); each part writes its results JSON/PNG into OUT_DIR. Every
+# benchmark process starts with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless it is set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|maxctx-*|all]}
 part=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 mkdir -p "$out"
+if [[ $part == maxctx-poll ]]; then  # the ladder holds the GPUs while it runs: no busy check
+  python3 scripts/maxctx_ladder.py poll --out "$out" --wait "${WAIT:-540}"
+  exit $?
+fi
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 # A benchmark sharing the GPUs measures the other process too (a call cut off at its time limit can
 # leave its workers running): refuse to start rather than record such times.
 busy=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | tr '\n' ' ')
@@ -60,7 +71,7 @@ train() { local limit=$1 n=$2; shift 2
   run timeout "$limit" torchrun --nproc_per_node "$n" scripts/bench_train.py "$@" 2>&1 \
     | grep -E '^\{|Error' | cut -c1-400; }
 if [[ $part == tests || $part == all ]]; then
-  run timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log" | tail -15
+  run bash scripts/run_gpu_tests.sh --log "$out/gpu-tests.log" -q 2>&1 | tail -25
 fi
 if [[ $part == dist || $part == all ]]; then
   # BACKENDS=sdpa_cudnn (default) gives the ablations too; another local kernel gets its own file
@@ -104,6 +115,10 @@ case $part in
   maxctx-ours-cpuadam) maxctx --seqs "${SEQS:-524288,655360}" --variants remat+offload+tiled+cpuadam ;;
   maxctx-cp) maxctx --seqs "${SEQS:-524288,655360}" --variants torch_cp+offload ;;
   maxctx-cp-plain) maxctx --seqs "${SEQS:-294912,327680}" --variants torch_cp ;;
+  maxctx-plan|maxctx-start)
+    ladder=(--out "$out" --gpus "${GPUS:-$gpus}" --host-gib "${HOST_GIB:?HOST_GIB: the host memory in GiB (256 for 2 GPUs, 512 for 4)}"
+            --models "${MODELS:-8b,7b}" --budget-min "${BUDGET_MIN:-15}" ${RUNG_MIN:+--rung-min "$RUNG_MIN"})
+    python3 scripts/maxctx_ladder.py "${part#maxctx-}" "${ladder[@]}" ;;
 esac
 if [[ $part == prefill ]]; then
   run timeout 200 torchrun --nproc_per_node 1 scripts/bench_prefill.py --seqs "${SEQS1:-32768,65536,131072}" \

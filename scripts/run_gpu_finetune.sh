@@ -45,8 +45,8 @@ if [[ $part == x2 ]]; then
       --variants remat --steps 3 --tag finetune-ref --out "$out") &
   fi
   export CUDA_VISIBLE_DEVICES=0,1
-  echo "== GPU test"; timeout 420 python3 -m pytest tests/gpu/test_finetune_gpu.py -q -p no:cacheprovider \
-    > "$out/gpu-test-finetune.log" 2>&1; tail -3 "$out/gpu-test-finetune.log"
+  echo "== GPU test"; GPU_TESTS_TIMEOUT=420 bash scripts/run_gpu_tests.sh tests/gpu/test_finetune_gpu.py -q \
+    --log "$out/gpu-test-finetune.log" > /dev/null 2>&1; tail -3 "$out/gpu-test-finetune.log"
   finetune 7b-32k 2 29611 configs/llama2-7b-32k-2gpu.yaml training.max_steps=4
   finetune 7b-64k 2 29612 configs/llama2-7b-64k.yaml training.max_steps=4 training.grad_accum=1
   wait

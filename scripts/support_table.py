@@ -2,6 +2,7 @@
 
     python scripts/support_table.py            # the architecture test's types, on 2 and 3 processes
     python scripts/support_table.py --survey   # and every other type the patch accepts, on 2 (slow)
+    python scripts/support_table.py --types llama --out /tmp/tables   # a few types, pages written to /tmp
 
 Every causal-LM model type gets a row: ``works`` with the worst relative errors measured (the
 architecture test's checks: loss, aux loss, every gradient, attention calls, tiles, offload), ``refused``
@@ -73,24 +74,31 @@ def _merge(rows: dict, numbers: dict, failures: dict, source: str, cases) -> Non
                    parity=table.format_numbers(worst, dtype, source))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--survey", action="store_true", help="also run every other accepted type on 2 ranks")
-    args = parser.parse_args()
+    parser.add_argument("--types", default=None, help="only these model types (comma separated); needs --out")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the results and the two pages into this folder instead of in place")
+    args = parser.parse_args(argv)
+    if args.types and args.out is None:
+        parser.error("--types writes partial tables: give --out so that they do not replace the docs")
     import torch
     import transformers
 
+    types = args.types.split(",") if args.types else _all_model_types()
     previous = table.load_results().get("rows", {})
-    rows = {t: _verdict(t) for t in _all_model_types()}
+    rows = {t: _verdict(t) for t in types}
     for model_type, row in rows.items():  # keep earlier survey numbers of types not re-measured
         old = previous.get(model_type, {})
         if row["status"] == "not run" and old.get("source") == "survey, 2 ranks" and old["status"] == "works":
             row.update({k: old[k] for k in ("status", "numbers", "dtype", "source", "parity")})
     failures = []
+    tested = tuple(case for case in arch_test._cases() if case[0] in rows)
     for world in (2, 3):
-        numbers, found = arch_test.measured(world)
+        numbers, found = arch_test.measured(world, tested)
         failures += [f for lines in found.values() for f in lines]
-        _merge(rows, numbers, found, "test, 2 and 3 ranks", arch_test._cases())
+        _merge(rows, numbers, found, "test, 2 and 3 ranks", tested)
     if args.survey:
         cases = tuple((t, False) for t, r in rows.items() if r["status"] == "not run" and r.get("tiny"))
         numbers, found = arch_test.measured(2, cases)
@@ -101,14 +109,16 @@ def main() -> int:
         row.pop("tiny", None)
     if failures:
         print("\n".join(failures), file=sys.stderr)
-    table.RESULTS.parent.mkdir(exist_ok=True)
-    table.RESULTS.write_text(json.dumps({
+    results = args.out / table.RESULTS.name if args.out else table.RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({
         "date": datetime.date.today().isoformat(), "device": "CPU (gloo)", "torch": torch.__version__,
         "transformers": transformers.__version__, "rows": rows}, indent=1, sort_keys=True) + "\n")
     listed = [{"model type": t, **r} for t, r in sorted(rows.items())]
     for page, rendered in ((table.MODELS_PAGE, table.render(listed, transformers.__version__)),
                            (table.README, table.render_summary(listed, transformers.__version__))):
-        page.write_text(table.replace_table(page.read_text(), rendered))
+        target = args.out / page.name if args.out else page
+        target.write_text(table.replace_table(page.read_text(), rendered))
     print(f"{sum(r['status'] == 'works' for r in rows.values())} work, "
           f"{sum(r['status'] == 'refused' for r in rows.values())} refused, "
           f"{sum(r['status'] == 'not run' for r in rows.values())} not run; {len(failures)} failures")

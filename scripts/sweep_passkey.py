@@ -5,6 +5,8 @@ configs/tiny.yaml model shape at 4096 tokens; it chose tiny.yaml's settings. Res
 in the README: benchmarks/results/passkey-sweep-h100-2026-11-22.jsonl.
 
     python scripts/sweep_passkey.py --out /tmp --steps 400
+
+``--device cpu --configs 1 --steps 25 --length 512`` is the smoke run (the first configuration, shorter rows).
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ def run(rep: int, lr: float, bs: int, layers: int, filler: str, steps: int = 400
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=n,
-                      rope_theta=1e6)
-    cfg._attn_implementation = "sdpa"
+                      rope_theta=1e6, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).to(device)
     spec = PasskeySpec(n, 256, 16, 1, 0.5, seed=1234, filler=filler, needle_repeat=rep)
     held = PasskeySpec(n, 256, 16, 1, 0.5, seed=1234 + 1_000_000, filler=filler, needle_repeat=rep)
@@ -65,21 +66,25 @@ def run(rep: int, lr: float, bs: int, layers: int, filler: str, steps: int = 400
     return accs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="/tmp", help="folder of sweep.jsonl (appended to)")
     parser.add_argument("--steps", type=int, default=400, help="training steps per configuration")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("the sweep trains 16 configurations on one GPU; no CUDA GPU is visible")
+    parser.add_argument("--configs", type=int, default=None, help="only the first N configurations")
+    parser.add_argument("--length", type=int, default=4096, help="tokens per row")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the smoke run")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("the sweep trains 16 configurations on one GPU; no CUDA GPU is visible "
+                         "(--device cpu: the smoke run)")
     grid = [(rep, lr, bs, 2, "repeat") for rep in (1, 8, 32) for lr in (3e-3, 1e-2) for bs in (2, 4)]
     grid += [(8, 3e-3, 2, 1, "repeat"), (8, 1e-2, 2, 1, "repeat"), (8, 3e-3, 2, 2, "random"),
              (32, 3e-3, 2, 2, "random")]
     out = Path(args.out) / "sweep.jsonl"
     t0 = time.time()
-    for g in grid:
-        accs = run(*g, steps=args.steps)
+    for g in grid[:args.configs]:
+        accs = run(*g, steps=args.steps, n=args.length, device=args.device)
         rec = {"rep": g[0], "lr": g[1], "bs": g[2], "layers": g[3], "filler": g[4], "accs": accs,
                "t": round(time.time() - t0)}
         print(json.dumps(rec), flush=True)

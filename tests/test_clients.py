@@ -330,7 +330,12 @@ def check_gather_sequence(rank, world, device):
 
 
 def worker(rank, world, patched):
-    os.environ["TRITON_INTERPRET"] = "1"  # Liger's Triton kernels on the CPU
+    with pytest.MonkeyPatch.context() as patches:  # undone when the worker ends, even by an exception
+        return run_clients(rank, world, patched, patches)
+
+
+def run_clients(rank, world, patched, patches):
+    patches.setenv("TRITON_INTERPRET", "1")  # Liger's Triton kernels on the CPU
     import logging
 
     import lightseq_hf
@@ -344,7 +349,7 @@ def worker(rank, world, patched):
         lengths[q.shape[1]] += 1
         return schedule_forward(q, *args, **kwargs)
 
-    ops.dist_attn_forward = recording_forward  # inside the op: what compiled graphs and remat really run
+    patches.setattr(ops, "dist_attn_forward", recording_forward)  # inside the op: what compiled graphs run
     results = {}
     if patched:
         lightseq_hf.patch_llama()

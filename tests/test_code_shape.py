@@ -9,9 +9,10 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "lightseq_hf"
 MAX_FUNCTION_LINES = 80  # outside @triton.jit bodies
 MAX_MODULE_LINES = 500
-#: where reading the environment is the point (launch, the process's rank, Triton's interpreter switch)
+#: where reading the environment is the point (launch, the process's rank, Triton's interpreter switch,
+#: the launcher's WORLD_SIZE that tells a launch whose processes never joined a process group)
 ENVIRONMENT_READERS = {"training/cli.py", "training/launch.py", "training/build.py",
-                       "kernels/triton_common.py"}
+                       "kernels/triton_common.py", "parallel/groups.py"}
 
 
 def _modules() -> list[tuple[str, ast.Module, str]]:
@@ -61,3 +62,45 @@ def test_no_environment_switches_in_production_modules():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(f"{name}:{node.lineno}")
     assert not readers, readers
+
+
+def _module_name(relative: str) -> str:
+    parts = ["lightseq_hf", *relative.removesuffix(".py").split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(name: str, is_package: bool, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports, at its top or inside a function."""
+    here = name if is_package else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = here.split(".")[: len(here.split(".")) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            found |= {f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return {m for m in found if m in modules and m != name}
+
+
+def test_no_import_cycles():
+    """No module imports one that imports it back, directly or through others, even inside a function
+    (an import deferred to break a circle still ties the two modules together)."""
+    modules = {_module_name(name): (name, tree) for name, tree, _ in _modules()}
+    graph = {m: _imports(m, name.endswith("__init__.py"), tree, set(modules)) for m, (name, tree) in
+             modules.items()}
+
+    def path_back(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    cycles = {" -> ".join(p) for m in graph if (p := path_back(m))}
+    assert not cycles, sorted(cycles)[:5]

@@ -54,7 +54,7 @@ def cases(lean=False):
     for causal, heads, dtype, local in itertools.product(
         (True, False), heads_set, (torch.float32, torch.bfloat16), lengths
     ):
-        schedules = ("balanced", "paper", "ring") if causal else ("balanced",)
+        schedules = ("balanced", "paper", "ring", "pipelined") if causal else ("balanced", "pipelined")
         for schedule in schedules:
             yield dict(causal=causal, heads=heads, dtype=dtype, local=local, schedule=schedule)
 

@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 from doc_snippets import NOT_RUN_REASONS, ROOT, all_snippets, commands, doc_pages, split_command
 
+from lightseq_hf._testing.faults import ENV as FAULTS_ENV
+
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "results"
 FAST = {"training.max_steps=": "training.max_steps=2", "eval_samples=": "data.synthetic.eval_samples=2",
@@ -40,7 +42,7 @@ NO_TRAINING_FLAGS = ("--check", "--print-config", "--plan")
 def _cpu_env(extra: dict | None = None) -> dict:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep))
-    env.pop("LIGHTSEQ_FAULT", None)
+    env.pop(FAULTS_ENV, None)  # no injected faults in documented runs
     env.update(extra or {})
     return env
 

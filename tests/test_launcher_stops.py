@@ -74,10 +74,9 @@ def test_a_stopped_launcher_stops_its_workers_with_one_line(tmp_path: Path, how:
 
 @pytest.mark.parametrize(("fault", "failed", "reason"), [
     ("step:1:2:raise", "rank 1 stopped: ValueError: injected failure (step point, step 2)",
-     "rank 0: 'forward/backward' at step 2 could not complete because rank 1 failed: ValueError: injected"),
+     "stopped on rank 0: rank 1 failed: ValueError: injected failure (step point, step 2)"),
     ("save:0:2:diskfull", "stopped: writing checkpoint-2 in",
-     "rank 1: 'checkpoint save' at step 2 could not complete because rank 0 failed: CheckpointError: "
-     "writing checkpoint-2"),
+     "stopped on rank 1: rank 0 failed: CheckpointError: writing checkpoint-2"),
 ])
 def test_the_other_rank_names_the_failed_rank_and_why(tmp_path: Path, fault: str, failed: str,
                                                       reason: str) -> None:
@@ -126,6 +125,6 @@ def test_a_crash_on_one_rank_of_a_plain_loop_is_named_by_the_other(tmp_path: Pat
     assert "ValueError: the data loader of rank 1 broke" in outs[1]  # its own traceback, as usual
     named = [line.split("lightseq_hf: ", 1)[1] for line in outs[0].splitlines()
              if "lightseq_hf: rank 0:" in line]
-    assert named == ["rank 0: a collective could not complete because rank 1 failed: ValueError: the data "
-                     "loader of rank 1 broke"], outs[0][-3000:]  # torch may prefix the line with [rank0]
+    assert named == ["rank 0: a collective could not complete: rank 1 failed: ValueError: the data loader "
+                     "of rank 1 broke"], outs[0][-3000:]  # torch may prefix the line with [rank0]
     assert "Traceback" not in outs[0], outs[0][-3000:]

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from doc_snippets import ROOT, all_snippets, commands, split_command
 
+from lightseq_hf._testing.faults import ENV as FAULTS_ENV
+
 pytestmark = pytest.mark.slow
 
 PROBE = '''
@@ -76,7 +78,7 @@ def test_two_torchrun_agents_fine_tune_sequence_parallel_across_nodes(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                DOCS_TEST_P2P_PROBE=str(probe_dir),
                PYTHONPATH=os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    env.pop("LIGHTSEQ_FAULT", None)
+    env.pop(FAULTS_ENV, None)  # no injected faults in documented runs
     agents = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True) for _ in range(2)]
     outputs = []

@@ -182,11 +182,12 @@ def _fault_cases(rank: int, world: int) -> list[str]:
     failures = []
     solo = dist.new_group([rank], use_local_synchronization=True)
     faults = [  # (name, what to replace, replacement, batch kind, patch options, sync, expected message)
-        ("wrong shard order", "shard_for", _reversed_shards, "plain", {}, True, "differs from the unsharded"),
+        ("wrong shard order", "shard_for", _reversed_shards, "plain", {}, True,
+         "differs from the unpatched model"),
         ("dropped document mask", "dist_flash_attn", _without_documents, "packed", {}, True,
-         "differs from the unsharded"),
+         "differs from the unpatched model"),
         ("kernel off by 1e-4", "kernel_named", _kernel_off_by(1e-4, on_rank=world - 1), "plain", {}, True,
-         "differs from the unsharded"),
+         "differs from the unpatched model"),
         ("missing gradient sync", None, None, "plain", {}, False, "nothing averages them"),
         ("a rank runs unsharded", None, None, "plain", {"sp_group": solo} if rank == 1 else {}, True,
          "rank 1 would run its attention unsharded"),
@@ -346,7 +347,7 @@ def test_parity_check(world, checks):
 
 
 def test_single_process_and_bad_input():
-    """Without torch.distributed the check compares the world-1 kernels with the dense reference; an
+    """Without torch.distributed the check compares the world-1 kernels with the unpatched model; an
     unpatched model and a batch without tokens are refused with one line; the config section."""
     import transformers
 

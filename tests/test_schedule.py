@@ -12,17 +12,24 @@ from lightseq_hf.parallel.schedule import SCHEDULES, backward_work, build_schedu
 WORLDS = range(1, 17)
 
 
-def computed_rows(schedule):
-    """Counter of (q chunk, kv chunk, row slice in 1/2 units) over every task."""
+ROW_CELLS, KEY_CELLS = 4, 2  # every block cut into 4 row slices x 2 key slices
+
+
+def computed_cells(schedule):
+    """Counter of (q chunk, kv chunk, row cell, key cell) over every task."""
     seen = Counter()
     for step in schedule.steps:
         for task in step:
             if task is None:
                 continue
-            for half in range(2):  # split every block into two row halves
-                lo, hi = Fraction(task.part, task.parts), Fraction(task.part + 1, task.parts)
-                if lo <= Fraction(half, 2) and Fraction(half + 1, 2) <= hi:
-                    seen[(task.q_owner, task.kv_owner, half)] += 1
+            for r in range(ROW_CELLS):
+                for c in range(KEY_CELLS):
+                    rows = Fraction(task.part, task.parts), Fraction(task.part + 1, task.parts)
+                    keys = (Fraction(task.key_part, task.key_parts),
+                            Fraction(task.key_part + 1, task.key_parts))
+                    if (rows[0] <= Fraction(r, ROW_CELLS) and Fraction(r + 1, ROW_CELLS) <= rows[1]
+                            and keys[0] <= Fraction(c, KEY_CELLS) and Fraction(c + 1, KEY_CELLS) <= keys[1]):
+                        seen[(task.q_owner, task.kv_owner, r, c)] += 1
     return seen
 
 
@@ -31,8 +38,9 @@ def computed_rows(schedule):
 @pytest.mark.parametrize("world", WORLDS)
 def test_every_needed_block_is_computed_exactly_once(world, causal, kind):
     schedule = build_schedule(world, causal, kind)
-    expected = Counter({(i, j, h): 1 for i, j in required_blocks(world, causal) for h in range(2)})
-    assert computed_rows(schedule) == expected
+    expected = Counter({(i, j, r, c): 1 for i, j in required_blocks(world, causal)
+                        for r in range(ROW_CELLS) for c in range(KEY_CELLS)})
+    assert computed_cells(schedule) == expected
     for step in schedule.steps:
         for rank, task in enumerate(step):
             if task is not None:  # a rank only computes with a query or a key chunk it owns
@@ -42,11 +50,42 @@ def test_every_needed_block_is_computed_exactly_once(world, causal, kind):
     assert all(task.kv_owner == rank for rank, task in enumerate(schedule.steps[0]))
 
 
+@pytest.mark.parametrize("kind", ["balanced", "pipelined"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_balanced_reaches_the_ideal(world):
-    schedule = build_schedule(world, True, "balanced")
+def test_balanced_reaches_the_ideal(world, kind):
+    schedule = build_schedule(world, True, kind)
     assert schedule.critical_path() == Fraction(world, 2)
     assert all(schedule.load(r) == Fraction(world, 2) for r in range(world))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("world", range(2, 9))
+def test_pipelined_cuts_the_last_step_so_each_partial_travels_once(world, causal):
+    """The last step becomes two half-size steps: a task on this rank's own query rows is cut by keys (its
+    dk/dv partials go to the key owner, each key once), a task on another rank's rows by rows (its out,
+    lse and dq go to the query owner, each row once); the steps before are the balanced schedule's."""
+    balanced = build_schedule(world, causal, "balanced")
+    pipelined = build_schedule(world, causal, "pipelined")
+    assert pipelined.steps[:-2] == balanced.steps[:-1]
+    for rank, task in enumerate(balanced.steps[-1]):
+        first, second = pipelined.steps[-2][rank], pipelined.steps[-1][rank]
+        if task is None:
+            assert first is None and second is None
+            continue
+        assert first.cost == second.cost == task.cost / 2
+        own_rows = task.q_owner == rank
+        assert (first.rows(12), second.rows(12)) == ((task.rows(12),) * 2 if own_rows else
+                                                     ((task.rows(12)[0], sum(task.rows(12)) // 2),
+                                                      (sum(task.rows(12)) // 2, task.rows(12)[1])))
+        assert (first.keys(12), second.keys(12)) == (((0, 6), (6, 12)) if own_rows else ((0, 12),) * 2)
+    work = backward_work(pipelined)
+    assert [w.blocks for w in work] == [w.blocks for w in backward_work(balanced)]
+    assert [w.dkv_sent for w in work] == [w.dkv_sent for w in backward_work(balanced)]
+    assert [w.dq_sent for w in work] == [w.dq_sent for w in backward_work(balanced)]
+
+
+def test_pipelining_a_single_step_changes_nothing():
+    assert build_schedule(1, True, "pipelined").steps == build_schedule(1, True, "balanced").steps
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -6,9 +6,11 @@ This module is the entry point of such runs: it installs the faults named in ``L
 (comma-separated ``point:rank:step:action``) by wrapping two functions of the trainer, then runs
 ``lightseq-finetune``; its ``--nproc`` workers run this module again. The library never reads the
 variable. Points: ``step`` (a step, before its forward pass), ``loss`` (the step's summed loss),
-``save`` (before a rank writes its training state into the checkpoint of that step). Actions: ``kill``
-(SIGKILL), ``stop`` (SIGSTOP), ``hang`` (sleep until killed), ``nan`` (the loss becomes NaN; ``loss``
-only), ``raise`` (a ValueError, as a crash of the user's own code would), ``diskfull`` (an OSError
+``save`` (before a rank writes its training state into the checkpoint of that step), ``forward`` and
+``backward`` (the first decoder layer's forward, or the backward through its output, in the step's
+training pass). Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP), ``hang`` (sleep until killed), ``nan``
+(the loss becomes NaN; ``loss`` only), ``oom`` (raise ``torch.OutOfMemoryError`` as the CUDA allocator
+does), ``raise`` (a ValueError, as a crash of the user's own code would), ``diskfull`` (an OSError
 "No space left on device").
 """
 
@@ -24,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ENV = "LIGHTSEQ_TEST_FAULTS"
-POINTS = ("step", "loss", "save")
-ACTIONS = ("kill", "stop", "hang", "nan", "raise", "diskfull")
+POINTS = ("step", "loss", "save", "forward", "backward")
+ACTIONS = ("kill", "stop", "hang", "nan", "oom", "raise", "diskfull")
+_STEP = [0]  # the step whose training pass is running (0: none, e.g. the first step's parity check)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ def act(faults: list[Fault], point: str, rank: int, step: int) -> bool:
         elif f.action == "hang":
             while True:
                 time.sleep(3600)
+        elif f.action == "oom":
+            import torch
+
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. (fault injection)")
         elif f.action == "raise":
             raise ValueError(f"injected failure ({point} point, step {step})")
         elif f.action == "diskfull":
@@ -78,19 +85,50 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
+def _listed(faults: list[Fault], point: str, step: int) -> bool:
+    return any((f.point, f.rank, f.step) == (point, _rank(), step) for f in faults)
+
+
+def add_layer_faults(model, faults: list[Fault]) -> None:
+    """Points forward and backward: a forward hook on the model's first decoder layer."""
+    armed: set[int] = set()
+
+    def hook(module, args, output):
+        step = _STEP[0]
+        act(faults, "forward", _rank(), step)
+        if _listed(faults, "backward", step) and step not in armed:
+            armed.add(step)
+            hidden = output[0] if isinstance(output, tuple) else output
+            hidden.register_hook(lambda grad: act(faults, "backward", _rank(), step))
+
+    model.get_decoder().layers[0].register_forward_hook(hook)
+
+
 def install(faults: list[Fault]) -> None:
-    """Wrap ``Trainer._forward_backward`` (points step, loss) and ``checkpoints.write_training_state``
+    """Wrap ``Trainer._forward_backward`` (points step, loss, and the step the layer points see),
+    the fine-tune's ``apply_patch`` (points forward, backward) and ``checkpoints.write_training_state``
     (point save) so that they carry out ``faults``."""
     from lightseq_hf.training import checkpoints, loop
 
     forward_backward = loop.Trainer._forward_backward
     write_state = checkpoints.write_training_state
+    apply_patch = loop.apply_patch
 
     @functools.wraps(forward_backward)
     def faulty_forward_backward(self, batches, step):
         act(faults, "step", _rank(), step)
-        loss_sum = forward_backward(self, batches, step)
+        _STEP[0] = step
+        try:
+            loss_sum = forward_backward(self, batches, step)
+        finally:
+            _STEP[0] = 0
         return loss_sum + float("nan") if act(faults, "loss", _rank(), step) else loss_sum
+
+    @functools.wraps(apply_patch)
+    def faulty_apply_patch(model, *args, **kwargs):
+        model = apply_patch(model, *args, **kwargs)
+        add_layer_faults(model, faults)
+        return model
 
     @functools.wraps(write_state)
     def faulty_write_state(accelerator, directory: Path):
@@ -99,6 +137,7 @@ def install(faults: list[Fault]) -> None:
         return write_state(accelerator, directory)
 
     loop.Trainer._forward_backward = faulty_forward_backward
+    loop.apply_patch = faulty_apply_patch
     checkpoints.write_training_state = faulty_write_state
 
 

@@ -6,17 +6,32 @@ The library reads no environment variable for these; a test or benchmark calls t
   config, so a run compiles one variant per kernel (fast GPU tests).
 - :func:`force_dkdv_split`: the ``triton`` backend splits the dk/dv kernel of key-range calls into a fixed
   number of parts instead of choosing per call (``None``: choose again).
+- :func:`triton_kernels`: the Triton kernels themselves, for compile checks and resource reports.
+- :func:`cudnn_backward_fell_back`: whether the ``sdpa_cudnn`` backend's backward has switched to flash.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+#: the autotuned Triton attention kernels, by name
+AUTOTUNED = ("fwd", "dkdv", "dq")
+
+
+def triton_kernels() -> dict[str, Any]:
+    """The Triton attention kernels by name: ``fwd``, ``dkdv`` and ``dq`` are autotuned (``.fn`` the jit
+    function, ``.configs`` its configs, ``.cache`` the choices made so far); ``delta`` is a jit function."""
+    from ..kernels import triton_bwd, triton_fwd
+
+    return {"fwd": triton_fwd._attn_fwd, "dkdv": triton_bwd._attn_bwd_dkdv, "dq": triton_bwd._attn_bwd_dq,
+            "delta": triton_bwd._delta_kernel}
+
 
 def single_triton_config() -> None:
     """Autotune the Triton attention kernels over their first config only (this process, from now on)."""
-    from ..kernels import triton_bwd, triton_fwd
-
-    for kernel in (triton_fwd._attn_fwd, triton_bwd._attn_bwd_dkdv, triton_bwd._attn_bwd_dq):
-        kernel.configs = kernel.configs[:1]
+    kernels = triton_kernels()
+    for name in AUTOTUNED:
+        kernels[name].configs = kernels[name].configs[:1]
 
 
 def force_dkdv_split(parts: int | None) -> None:
@@ -26,3 +41,11 @@ def force_dkdv_split(parts: int | None) -> None:
     if parts is not None and parts < 1:
         raise ValueError(f"parts must be a positive count (or None); got {parts}.")
     kernel_named("triton").dkdv_split = parts
+
+
+def cudnn_backward_fell_back() -> bool:
+    """True once the ``sdpa_cudnn`` backend's backward failed in this process and switched to the flash
+    backward (it warns once when it does)."""
+    from ..kernels import kernel_named
+
+    return bool(kernel_named("sdpa_cudnn")._cudnn_backward_failed)

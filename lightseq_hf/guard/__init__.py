@@ -1,7 +1,7 @@
 """A correctness guard: prove at the first step that sequence parallelism changed nothing.
 
-:func:`check_parity` compares one forward and backward of the patched model with the same computation
-unsharded on each rank; :func:`sync_gradients` averages gradients in loops without DDP/FSDP;
+:func:`check_parity` compares one forward and backward of the patched model with the unpatched model's
+on each rank; :func:`sync_gradients` averages gradients in loops without DDP/FSDP;
 :class:`ParityCallback` (imported on first use: it needs Transformers' Trainer) runs the check at the start
 of a Hugging Face ``Trainer`` or TRL run; :func:`run_first_step_check` is the fine-tune loop's call.
 """

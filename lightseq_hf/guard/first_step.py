@@ -60,8 +60,8 @@ def check_cost_fraction(model_config: Any, context_length: int, sp_size: int, mi
 
     The step: ``micro_batches`` micro-batches of ``rows x context_length`` tokens split over ``sp_size``
     ranks. The check on ``n`` tokens: the same computation split over the group, plus on every rank
-    ``unsharded_passes`` unsharded passes with dense attention (all ``n^2`` pairs, masked ones included):
-    two in bfloat16 and float16 (the reference and the rounding yardstick), one in float32.
+    ``unsharded_passes`` passes of the unpatched model on whole rows (the reference and its
+    higher-precision yardstick), their attention counted at all ``n^2`` pairs (an upper bound).
     """
     tokens = max_tokens or default_max_tokens(rows, context_length, sp_size)
     n_params = matmul_params(model_config)

@@ -1,9 +1,11 @@
 """Watch, from outside the library, which attention layers ran the distributed attention, where.
 
 :class:`AttentionWatch` hooks the forward of each attention module (class name ending in
-``Attention``) and, as a ``TorchDispatchMode``, sees every call of the distributed attention op
-``lightseq_hf::dist_attn_fwd`` with its arguments: the process group it ran over and this rank's
-query length. Each op call is charged to the attention module whose forward it ran in.
+``Attention``), counts the calls each makes of the attention function registered in Transformers'
+``AttentionInterface`` under ``"lightseq_dist"`` (a module may attend more than once per forward, or run
+more than once: DiffLlama, recurrent models), and, as a ``TorchDispatchMode``, sees every call of the
+distributed attention op ``lightseq_hf::dist_attn_fwd`` with its arguments: the process group it ran over
+and this rank's query length. Each call is charged to the attention module whose forward it ran in.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..patches.state import ATTN_IMPLEMENTATION
 
 #: the distributed attention forward, as a torch custom op (namespace, name)
 DIST_ATTENTION_OP = ("lightseq_hf", "dist_attn_fwd")
@@ -33,19 +37,36 @@ class AttentionWatch(TorchDispatchMode):
         super().__init__()
         self.model = model
         self.calls: dict[str, list[AttentionCall]] = {}
+        self.interface_calls: dict[str, int] = {}  # calls of the registered attention function per module
         self._current: str | None = None
         self._hooks: list = []
+        self._registered = None
 
     def __enter__(self):
+        from transformers.modeling_utils import AttentionInterface
+
         for name, module in attention_modules(self.model):
             self.calls[name] = []
+            self.interface_calls[name] = 0
             self._hooks.append(module.register_forward_pre_hook(self._entered(name)))
+        mapping = AttentionInterface._global_mapping
+        self._registered = registered = mapping.get(ATTN_IMPLEMENTATION)
+        if registered is not None:
+            def counted(*args, **kwargs):
+                if self._current is not None:
+                    self.interface_calls[self._current] += 1
+                return registered(*args, **kwargs)
+            mapping[ATTN_IMPLEMENTATION] = counted
         return super().__enter__()
 
     def __exit__(self, *exc):
+        from transformers.modeling_utils import AttentionInterface
+
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self._registered is not None:
+            AttentionInterface._global_mapping[ATTN_IMPLEMENTATION] = self._registered
         return super().__exit__(*exc)
 
     def _entered(self, name: str):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from .._values import check_group, is_positive_int
 from ..kernels import KernelRequest, MaskKind, backend_names, check_qkv, select_backend
 from ..kernels.base import check_softcap
+from .groups import check_launched
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
 from .schedule import SCHEDULES
 from .segments import Segments, as_segments
@@ -101,6 +102,8 @@ def _mask_kind(causal: bool, seg: Segments | None, window: int | None) -> MaskKi
 def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, segments, cu_seqlens, window,
                      softcap) -> None:
     check_group(group, default="the world")
+    if group is None:
+        check_launched("lightseq_hf.dist_flash_attn")
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}.")
     if backend not in backend_names():
@@ -198,8 +201,10 @@ def dist_flash_attn(
     ``(batch, local_seq, kv_heads, value_dim)`` (``value_dim`` other than ``head_dim``: the reference
     backend). Returns this rank's output shard ``(batch, local_seq, heads, value_dim)`` in ``q.dtype`` and,
     with ``return_lse``, its log-sum-exp ``(batch, heads, local_seq)`` (float32). Without an initialized
-    process group, or with a group of one, it is plain attention on the local tensors. Gradients flow to
-    q, k and v (and through the lse). ``schedule`` is ``"balanced"`` (default), ``"paper"`` or ``"ring"``;
+    process group, or with a group of one, it is plain attention on the local tensors (under a launcher that
+    started several processes, ``WORLD_SIZE > 1``, a missing process group is refused instead). Gradients
+    flow to q, k and v (and through the lse). ``schedule`` is ``"balanced"`` (default), ``"pipelined"``
+    (balanced, its last step in two halves: returned results overlap compute), ``"paper"`` or ``"ring"``;
     ``backend`` is ``"auto"`` (the measured-fastest backend that takes the call, see
     ``kernels.autoselect``), ``"reference"``, ``"triton"``, ``"sdpa"`` or ``"flash_varlen"``; a backend
     that cannot take the call is refused, naming what it lacks. ``check_shapes=False`` skips the

@@ -1,10 +1,12 @@
 """When one rank fails, the others say which rank failed and why, in one line.
 
 A rank that stops on an exception publishes one line about it in the default process group's store
-(:func:`report_failure`: ``lightseq-finetune``'s workers call it, and importing ``lightseq_hf`` chains
-:func:`excepthook` into ``sys.excepthook`` for scripts of one's own). A peer whose collective then fails,
-because the failed rank left, reads those lines: :func:`explain_peer_failure` turns the backend's error
-("Connection closed by peer") into a :class:`PeerFailure` naming the failed rank and its reason.
+(:func:`publish_notice`, :func:`report_failure`: ``lightseq-finetune``'s workers publish theirs, and
+importing ``lightseq_hf`` chains :func:`excepthook` into ``sys.excepthook`` for scripts of one's own). The
+others read those lines (:func:`read_notices`): the fine-tune's peer watch ends a rank as soon as another
+published (:mod:`lightseq_hf.training.failures`), and a rank whose collective fails because the failed
+rank left turns the backend's error ("Connection closed by peer") into a :class:`PeerFailure` naming the
+failed rank and its reason (:func:`explain_peer_failure`).
 
 The store must outlive the failed rank. Under ``torchrun``, ``accelerate launch`` and ``lightseq-finetune
 --nproc`` the launcher hosts it; where rank 0 hosts it (``init_process_group`` from MASTER_ADDR/MASTER_PORT
@@ -15,10 +17,12 @@ from __future__ import annotations
 
 import datetime
 import sys
+from typing import Any
 
 import torch.distributed as dist
 
-_KEY = "lightseq_hf/failed/{}"
+_NOTICE, _COUNT = "lightseq_failure/notice/", "lightseq_failure/count"
+_published = [False]  # this process published its failure
 _STORE_WAIT = datetime.timedelta(seconds=2)  # the store is asked only while the process stops
 _COMM_HINTS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
                "socket", "gloo", "nccl", "peer", "recv", "send")
@@ -65,45 +69,60 @@ def _store():
         return None
 
 
-def report_failure(exc: BaseException | str) -> None:
-    """Publish this rank's failure (an exception or a line) for its peers; best effort, a no-op without a
-    process group. Failures of communication are not published: they are effects, not causes."""
-    if isinstance(exc, BaseException) and (is_comm_failure(exc) or isinstance(exc, PeerFailure)):
+def publish_notice(store: Any, rank: int, line: str) -> None:
+    """Put ``line``, rank ``rank``'s failure, in ``store`` for the other ranks (once per process)."""
+    store.set(f"{_NOTICE}{rank}", line)
+    store.add(_COUNT, 1)
+    _published[0] = True
+
+
+def read_notices(store: Any, rank: int, world: int) -> dict[int, str]:
+    """The failures the ranks other than ``rank`` published in ``store``, by rank."""
+    if store.add(_COUNT, 0) == 0:
+        return {}
+    found = {}
+    for other in range(world):
+        key = f"{_NOTICE}{other}"
+        if other != rank and store.check([key]):
+            found[other] = store.get(key).decode(errors="replace")
+    return found
+
+
+def failure_line(exc: BaseException, rank: int) -> str:
+    """The line a failed rank publishes: ``rank R failed: Type: message``."""
+    return f"rank {rank} failed: {one_line(exc)}"
+
+
+def report_failure(exc: BaseException) -> None:
+    """Publish this rank's failure for its peers, unless it published one already; best effort, a no-op
+    without a process group. Failures of communication are not published: they are effects, not causes."""
+    if _published[0] or is_comm_failure(exc) or isinstance(exc, PeerFailure):
         return
     store = _store()
-    if store is None:
-        return
-    try:
-        store.set(_KEY.format(dist.get_rank()), exc if isinstance(exc, str) else one_line(exc))
-    except Exception:  # noqa: BLE001 - the store is gone: peers will say "a peer left"
-        pass
+    if store is not None:
+        try:
+            publish_notice(store, dist.get_rank(), failure_line(exc, dist.get_rank()))
+        except Exception:  # noqa: BLE001 - the store is gone: peers will say "a peer left"
+            pass
 
 
 def reported_failures() -> dict[int, str]:
     """The failures other ranks published, by global rank (empty when none, or without a store)."""
     store = _store()
-    if store is None:
+    try:
+        return {} if store is None else read_notices(store, dist.get_rank(), dist.get_world_size())
+    except Exception:  # noqa: BLE001 - the store is gone
         return {}
-    found = {}
-    for rank in range(dist.get_world_size()):
-        key = _KEY.format(rank)
-        try:
-            if rank != dist.get_rank() and store.check([key]):
-                found[rank] = store.get(key).decode(errors="replace")
-        except Exception:  # noqa: BLE001 - the store is gone
-            break
-    return found
 
 
 def explain_peer_failure(exc: BaseException, operation: str, unexplained: str = "") -> PeerFailure:
-    """The one-line :class:`PeerFailure` for ``exc``, a failed ``operation`` of this rank: which rank failed
-    and why when it said so, else ``unexplained`` (what this rank knows) and the backend's reason."""
+    """The one-line :class:`PeerFailure` for ``exc``, a failed ``operation`` of this rank: the failure
+    another rank published, else ``unexplained`` (what this rank knows) and the backend's reason."""
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     failed = reported_failures()
     if failed:
         rank, line = min(failed.items())
-        return PeerFailure(f"rank {me}: {operation} could not complete because rank {rank} failed: {line}",
-                           rank, line)
+        return PeerFailure(f"rank {me}: {operation} could not complete: {line}", rank, line)
     unexplained = unexplained or "a peer rank left, froze or called another operation"
     return PeerFailure(f"rank {me}: {operation} could not complete: {unexplained}. Backend said: "
                        f"{one_line(exc)}")

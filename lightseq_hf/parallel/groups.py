@@ -4,11 +4,16 @@ The world of ``W`` ranks is cut into ``W / sp_size`` sequence-parallel groups of
 consecutive ranks (``[0, sp)``, ``[sp, 2 sp)``, ...): consecutive ranks share a node
 first, so attention traffic stays on NVLink. Ranks with the same position in their
 sequence-parallel group form a data-parallel group.
+
+A launcher (torchrun, ``accelerate launch``, ``lightseq-finetune --nproc``) tells each process how many it
+started in ``WORLD_SIZE``; this module reads it (:func:`launched_world_size`) so that a launch whose
+processes never joined a process group is refused instead of running whole sequences on every process.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -31,6 +36,27 @@ class ParallelGroups:
 _current: ParallelGroups | None = None
 
 
+def launched_world_size() -> int:
+    """How many processes the launcher started (its ``WORLD_SIZE``; 1 without a launcher)."""
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() else 1
+
+
+def check_launched(what: str) -> None:
+    """RuntimeError when a launcher started several processes but torch.distributed has no process group:
+    ``what`` would then run whole sequences on every process, nothing split."""
+    if dist.is_available() and dist.is_initialized():
+        return
+    world = launched_world_size()
+    if world > 1:
+        raise RuntimeError(
+            f"{what}: WORLD_SIZE={world} says a launcher started {world} processes, but torch.distributed "
+            "has no process group, so every process would run whole sequences alone; call "
+            "torch.distributed.init_process_group() first on every process (then "
+            "lightseq_hf.init_sequence_parallel(sp_size) for groups smaller than the world), or unset "
+            "WORLD_SIZE if no launcher started this process.")
+
+
 def init_sequence_parallel(sp_size: int | None = None,
                            timeout: datetime.timedelta | float | None = None) -> ParallelGroups:
     """Create (once) the groups for ``sp_size`` ranks per sequence (default: the whole world).
@@ -49,6 +75,7 @@ def init_sequence_parallel(sp_size: int | None = None,
         raise ValueError(f"sp_size must be a positive int (ranks per sequence) or None (every rank); "
                          f"got {sp_size!r}.")
     if not (dist.is_available() and dist.is_initialized()):
+        check_launched("lightseq_hf.init_sequence_parallel")
         if sp_size not in (None, 1):
             raise ValueError(
                 f"sp_size={sp_size} needs torch.distributed: launch with `accelerate launch` or "

@@ -18,13 +18,16 @@ Kinds (causal):
   ``(q_i, kv_{i-P/2})`` are split by query rows between the query owner ``i`` and the
   (otherwise idle) key owner ``i - P/2``, which already holds the keys and needs only
   half the query rows. Critical path ``P / 2`` for every ``P``: the ideal.
+- ``"pipelined"``: ``"balanced"`` with its last step run as two half-size steps
+  (:func:`pipeline_last_step`), so the results of the first half travel while the second
+  half computes and only a half-size transfer is left after the last compute.
 
 Non-causal attention is a plain ring for every kind: ``P`` steps of full blocks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import cache
 
@@ -33,32 +36,37 @@ import torch
 from .._values import is_positive_int
 from .segments import visible_pairs
 
-SCHEDULES = ("balanced", "paper", "ring")
+SCHEDULES = ("balanced", "paper", "ring", "pipelined")
 
 
 @dataclass(frozen=True)
 class Task:
-    """Attention of query chunk ``q_owner`` (rows slice ``part`` of ``parts``) on chunk ``kv_owner``."""
+    """Attention of query chunk ``q_owner`` (rows slice ``part`` of ``parts``) on chunk ``kv_owner`` (keys
+    slice ``key_part`` of ``key_parts``)."""
 
     q_owner: int
     kv_owner: int
     diagonal: bool = False
     part: int = 0
     parts: int = 1
+    key_part: int = 0
+    key_parts: int = 1
 
     @property
     def cost(self) -> Fraction:
-        return Fraction(1, 2 if self.diagonal else 1) / self.parts
+        return Fraction(1, 2 if self.diagonal else 1) / (self.parts * self.key_parts)
 
     def rows(self, length: int) -> tuple[int, int]:
         """The query rows ``[start, stop)`` of a chunk of ``length`` rows this task covers."""
-        start = length * self.part // self.parts
-        stop = length * (self.part + 1) // self.parts
-        return start, stop
+        return _slice(length, self.part, self.parts)
 
     def keys(self, length: int) -> tuple[int, int]:
-        """The keys ``[start, stop)`` of a chunk of ``length`` keys this task reads: all of them."""
-        return 0, length
+        """The keys ``[start, stop)`` of a chunk of ``length`` keys this task reads."""
+        return _slice(length, self.key_part, self.key_parts)
+
+
+def _slice(length: int, part: int, parts: int) -> tuple[int, int]:
+    return length * part // parts, length * (part + 1) // parts
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,8 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
         raise ValueError(f"unknown schedule {kind!r}; choose one of {', '.join(SCHEDULES)}.")
     if not is_positive_int(world):
         raise ValueError(f"world size must be an int >= 1, got {world!r}.")
+    if kind == "pipelined":
+        return pipeline_last_step(build_schedule(world, causal, "balanced"), 2, kind)
     if not causal:
         steps = [tuple(Task(p, (p - t) % world) for p in range(world)) for t in range(world)]
         return Schedule(world, False, kind, tuple(steps))
@@ -118,6 +128,31 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
     return Schedule(world, True, kind, tuple(steps))
 
 
+def pipeline_last_step(schedule: Schedule, pieces: int, kind: str | None = None) -> Schedule:
+    """``schedule`` with its last step run as ``pieces`` steps of ``1 / pieces`` the work each.
+
+    After the last compute only the last piece's results are left to travel: a task on another rank's
+    query rows (whose output, lse and dq return to their owner) is cut by query rows; a task on this
+    rank's own rows (whose dk/dv return to the key owner in backward) is cut by keys, so no partial is
+    sent twice. Every pair is still computed exactly once, and each rank's load is unchanged.
+    """
+    if len(schedule.steps) < 2 or pieces == 1:
+        return replace(schedule, kind=kind or schedule.kind)
+    last = schedule.steps[-1]
+    if any(t is not None and t.diagonal for t in last):
+        raise ValueError("the last step of a schedule with communication holds no diagonal block")
+
+    def piece(rank: int, task: Task | None, i: int) -> Task | None:
+        if task is None:
+            return None
+        if task.q_owner == rank:
+            return replace(task, key_part=task.key_part * pieces + i, key_parts=task.key_parts * pieces)
+        return replace(task, part=task.part * pieces + i, parts=task.parts * pieces)
+
+    tail = tuple(tuple(piece(r, t, i) for r, t in enumerate(last)) for i in range(pieces))
+    return replace(schedule, kind=kind or schedule.kind, steps=schedule.steps[:-1] + tail)
+
+
 @dataclass(frozen=True)
 class BackwardWork:
     """One rank's share of the backward of a causal :func:`build_schedule` (block units as ``cost``).
@@ -126,16 +161,16 @@ class BackwardWork:
     the global out/lse of its query rows, recomputing the block's probabilities inside the kernel):
     ``blocks`` is the same cost as the forward's. The gradients of a helped block travel to their
     owners and are added there in float32: ``dq_merged`` counts the query-chunk fractions and
-    ``dkv_merged`` the key/value chunks (each one dk and one dv) this rank receives and adds;
+    ``dkv_merged`` the key/value chunk fractions (each one dk and one dv) this rank receives and adds;
     ``dq_sent`` / ``dkv_sent`` what it computes for others. ``shapes``: per step, the kernel call
     ``(diagonal, query-row fraction)`` (``None``: idle).
     """
 
     blocks: Fraction
     dq_merged: Fraction
-    dkv_merged: int
+    dkv_merged: Fraction
     dq_sent: Fraction
-    dkv_sent: int
+    dkv_sent: Fraction
     shapes: tuple[tuple[bool, Fraction] | None, ...]
 
 
@@ -144,7 +179,7 @@ def backward_work(schedule: Schedule) -> list[BackwardWork]:
     world = schedule.world
     blocks = [Fraction(0)] * world
     dq_merged, dq_sent = [Fraction(0)] * world, [Fraction(0)] * world
-    dkv_merged, dkv_sent = [0] * world, [0] * world
+    dkv_merged, dkv_sent = [Fraction(0)] * world, [Fraction(0)] * world
     shapes: list[list] = [[] for _ in range(world)]
     for step in schedule.steps:
         for rank, task in enumerate(step):
@@ -158,8 +193,9 @@ def backward_work(schedule: Schedule) -> list[BackwardWork]:
                 dq_sent[rank] += rows
                 dq_merged[task.q_owner] += rows
             if task.kv_owner != rank:
-                dkv_sent[rank] += 1
-                dkv_merged[task.kv_owner] += 1
+                keys = Fraction(1, task.key_parts)
+                dkv_sent[rank] += keys
+                dkv_merged[task.kv_owner] += keys
     return [BackwardWork(blocks[r], dq_merged[r], dkv_merged[r], dq_sent[r], dkv_sent[r], tuple(shapes[r]))
             for r in range(world)]
 

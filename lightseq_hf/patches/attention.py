@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +50,6 @@ class SequenceParallelContext:
     layer_kinds: tuple[str, ...] = ()
     chunked_segments: Segments | None = None  # documents cut at the attention chunks (chunked layers)
     model_type: str = ""
-    reference_attention: Callable | None = None  # set under state.unsharded(): replaces the distributed one
 
 
 def chunked_documents(segments: Segments | None, batch: int, seq: int, padded_len: int,
@@ -86,8 +84,6 @@ def lightseq_attention(
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported by lightseq_hf's distributed "
                          f"attention; set {_dropout_fix(module, dropout)}.")
-    if context.reference_attention is not None:  # under state.unsharded()
-        return context.reference_attention(module, query, key, value, scaling, **kwargs), None
     if attention_mask is not None:  # Transformers builds no mask for this implementation: the model made it
         raise ValueError(f"{context.model_type}: {type(module).__name__} passes an attention mask of its "
                          "own (a dynamic or learned mask), which lightseq_hf's distributed attention does "

@@ -13,7 +13,7 @@ from ..parallel.ops import group_rank_and_size
 from ..parallel.segments import Segments, segments_from_hf
 from ..parallel.sharding import IGNORE_INDEX, SequenceShard, global_position_ids, shard_for, take_shard
 from .attention import SequenceParallelContext, chunked_documents
-from .state import PatchSettings, resolve_sp_group, unsharded_attention
+from .state import PatchSettings, resolve_sp_group
 
 #: the parts of a batch the fingerprint covers, in its order (each: presence, dtype, two checksums)
 FINGERPRINT_FIELDS = ("input_ids", "labels", "inputs_embeds", "position_ids", "attention_mask")
@@ -311,7 +311,7 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
         local_pos = global_position_ids(position_ids, batch, shard, device)
     context = SequenceParallelContext(
         group, settings.backend, seq, None if segments is None else segments.padded(shard.padded_len),
-        layer_kinds, chunked, getattr(model.config, "model_type", ""), unsharded_attention())
+        layer_kinds, chunked, getattr(model.config, "model_type", ""))
     last = position_ids.max() if position_ids is not None else torch.tensor(seq - 1, device=device)
     return SplitBatch(
         group=group, shard=shard, last_position=last,

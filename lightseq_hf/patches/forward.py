@@ -14,8 +14,8 @@
   the loss is taken from them. The model's own code adds what it adds (the router aux loss).
 
 Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the
-unpatched
-model on every rank, unsharded.
+unpatched model on every rank, unsharded; so does every call under :func:`.state.as_unpatched` (the
+parity check's reference).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .architectures import MEDIA_WORDS, Architecture, decoder_stack
 from .attention import ACTIVE_MODEL
 from .batch import SplitBatch, split_batch
 from .rope import whole_sequence_frequencies
-from .state import ATTN_IMPLEMENTATION, PatchSettings, settings_of
+from .state import ATTN_IMPLEMENTATION, PatchSettings, running_unpatched, settings_of
 
 #: ``lightseq_logits`` values: logits of the whole sequence on every rank, or of this rank's slice
 LOGITS_LAYOUTS = ("full", "shard")
@@ -153,12 +153,13 @@ def make_decoder_forward(original, architecture_of):
                 inputs_embeds=None, use_cache=None, **kwargs):
         cache = take_cache(cache, kwargs)
         pending: PendingSplit | None = self.__dict__.pop("_lightseq_pending", None)
-        if "lightseq_sp" in kwargs or (pending is None and wants_cache(use_cache, cache)):
+        own = "lightseq_sp" in kwargs or running_unpatched()
+        if own or (pending is None and wants_cache(use_cache, cache)):
             kwargs[cache_name] = cache
             call = lambda: original(self, input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
                                     position_ids=position_ids, inputs_embeds=inputs_embeds,
                                     use_cache=use_cache, **kwargs)
-            return call() if "lightseq_sp" in kwargs else with_fallback_attention(self, call)
+            return call() if own else with_fallback_attention(self, call)
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         check_outputs(self, kwargs)
         arch = architecture_of(self)
@@ -196,11 +197,12 @@ def make_causal_lm_forward(original, architecture_of):
                 inputs_embeds=None, labels=None, use_cache=None, **kwargs):
         cache = take_cache(cache, kwargs)
         layout = kwargs.pop("lightseq_logits", "full")
-        if wants_cache(use_cache, cache):  # generation, prefill: the original model, unsharded
-            return with_fallback_attention(self, lambda: original(
+        if running_unpatched() or wants_cache(use_cache, cache):  # the original model, unsharded
+            call = lambda: original(  # noqa: E731
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **{cache_name: cache},
-                **kwargs))
+                **kwargs)
+            return call() if running_unpatched() else with_fallback_attention(self, call)
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         out = causal_lm_forward(self, original, architecture_of(self), settings_of(self), layout,
                                 dict(input_ids=input_ids, attention_mask=attention_mask,

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .._values import check_group
 from ..checkpoint import CHECKPOINTING_MODES, check_offload_layers, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
+from ..parallel.groups import check_launched
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
@@ -61,7 +62,9 @@ def patch(
     forward, to the group of :func:`lightseq_hf.parallel.init_sequence_parallel` if it was called,
     else the world, else no parallelism. ``checkpointing``: ``"remat"`` (rematerialization-aware) or
     ``"hf"`` (Hugging Face's layer checkpointing); either only applies once gradient checkpointing is
-    enabled. ``backend``: the local attention backend of ``dist_flash_attn``.
+    enabled. Under a launcher (``WORLD_SIZE`` > 1) the process group must exist before a model is patched
+    or called (RuntimeError otherwise: each process would run whole sequences alone). ``backend``: the
+    local attention backend of ``dist_flash_attn``.
     ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
     by Transformers' ``activation_checkpointing_enable(offload=True)``); ``N``: only the first N
     layers'. ``tiled_mlp``: run the dense MLPs this many tokens at a time
@@ -77,6 +80,8 @@ def patch(
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     check_group(sp_group, "sp_group", "the world, or the groups of init_sequence_parallel")
     check_offload_layers(offload_checkpoints)
+    if model is not None and sp_group is None:
+        check_launched("lightseq_hf.patch(model)")
     settings = PatchSettings(sp_group, checkpointing, backend, offload_checkpoints,
                              check_tiled_mlp(tiled_mlp))
     target = _unwrap(model) if model is not None else None

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.groups import current_groups
+from ..parallel.groups import check_launched, current_groups
 
 ATTN_IMPLEMENTATION = "lightseq_dist"
 
@@ -48,38 +48,34 @@ def settings_of(model: torch.nn.Module) -> PatchSettings:
     return settings
 
 
-#: (attention, group of this rank alone) while :func:`unsharded` is active
-_unsharded: contextvars.ContextVar[tuple[Callable, dist.ProcessGroup] | None] = contextvars.ContextVar(
-    "lightseq_unsharded", default=None)
+#: True while :func:`as_unpatched` is active
+_unpatched: contextvars.ContextVar[bool] = contextvars.ContextVar("lightseq_unpatched", default=False)
 
 
 @contextlib.contextmanager
-def unsharded(attention: Callable, solo_group: dist.ProcessGroup) -> Iterator[None]:
-    """Patched forwards started inside run unsharded on this rank (the reference pass of a parity
-    check): ``solo_group`` (this rank alone) is their group, so they do not split the rows, and
-    ``attention(module, query, key, value, scaling, **kwargs)`` (HF layout) replaces the distributed
-    attention, in checkpoint recomputes too."""
-    token = _unsharded.set((attention, solo_group))
+def as_unpatched() -> Iterator[None]:
+    """Patched forwards called inside run the model's own forward, unsharded: the parity check's
+    reference, whose caller also gives the model back its own attention implementation."""
+    token = _unpatched.set(True)
     try:
         yield
     finally:
-        _unsharded.reset(token)
+        _unpatched.reset(token)
 
 
-def unsharded_attention() -> Callable | None:
-    """The attention :func:`unsharded` gave, while it is active."""
-    active = _unsharded.get()
-    return None if active is None else active[0]
+def running_unpatched() -> bool:
+    """Whether :func:`as_unpatched` is active."""
+    return _unpatched.get()
 
 
 def resolve_sp_group(settings: PatchSettings | None = None) -> dist.ProcessGroup | None:
-    """The sequence-parallel group a patched forward uses now (``None``: no parallelism)."""
-    if _unsharded.get() is not None:
-        return _unsharded.get()[1]
+    """The sequence-parallel group a patched forward uses now (``None``: no parallelism; refused when a
+    launcher started several processes and no process group exists)."""
     settings = settings or _settings
     if settings is not None and settings.sp_group is not None:
         return settings.sp_group
     if not (dist.is_available() and dist.is_initialized()):
+        check_launched("a model patched by lightseq_hf")
         return None
     groups = current_groups()
     if groups is not None and groups.sp_group is not None:

@@ -1,7 +1,8 @@
 """Fine-tuning: YAML config, data loading and packing, synthetic tasks, the accelerate loop."""
 
-from .config import ConfigError, FinetuneConfig, config_from_dict, load_config
+from .config import FinetuneConfig, config_from_dict, load_config
 from .data import ParallelSampler, pack_token_lists
+from .errors import ConfigError
 from .synthetic import PasskeyDataset, PasskeySpec
 
 __all__ = [

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .._values import is_positive_int
-from .config import ConfigError
+from .errors import ConfigError
 
 POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .config import ConfigError, FinetuneConfig
+from .config import FinetuneConfig
+from .errors import ConfigError
 from .log import logger
 
 
@@ -98,6 +99,23 @@ def check_tokenizer_fits(cfg: FinetuneConfig, tokenizer: Any, vocab_size: int) -
         )
 
 
+def run_sharding(accelerator: Any) -> str:
+    """The planner's name for how ``accelerator`` holds the model: ``fsdp`` or ``replicated``."""
+    from accelerate.utils import DistributedType
+
+    return "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "replicated"
+
+
+def rank_memory_budget(accelerator: Any) -> tuple[float, float]:
+    """``(device bytes, host bytes)`` this rank may plan for (``memory.memory_budget``: its share of the
+    GPU and of the host memory available now, split over this host's processes). On the CPU the device
+    is host memory: both are the host share."""
+    from ..memory import memory_budget
+
+    gpu, host = memory_budget(accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    return (host, host) if accelerator.device.type != "cuda" else (gpu, host)
+
+
 def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
     """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
     device memory and its share of the host's available memory."""
@@ -106,15 +124,10 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> bool | int:
         return offload
     if accelerator.device.type != "cuda":
         return False  # nothing to gain: the "device" is host memory
-    from accelerate.utils import DistributedType
-
-    from ..memory import memory_budget
     from .planning import resolve_auto_offload
 
-    world = accelerator.num_processes
-    sharding = "fsdp" if accelerator.distributed_type == DistributedType.FSDP else "replicated"
-    gpu, host = memory_budget(accelerator.device, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    layers = resolve_auto_offload(cfg, world, sharding, gpu, host)
+    gpu, host = rank_memory_budget(accelerator)
+    layers = resolve_auto_offload(cfg, accelerator.num_processes, run_sharding(accelerator), gpu, host)
     if accelerator.is_main_process:
         logger.info(f"training.offload_checkpoints=auto: {layers} layers' checkpoints in host memory "
                     f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)")

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from .build import lr_lambda
-from .config import ConfigError, FinetuneConfig
+from .config import FinetuneConfig
+from .errors import ConfigError
 from .log import logger
 from .saving import CheckpointError, publish, temporary_path, write_completion_record
 

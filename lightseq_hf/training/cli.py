@@ -3,7 +3,8 @@
 With ``--nproc N`` the command checks the config for N processes, then starts them (see :mod:`.launch`);
 without it, it is one worker (under ``accelerate launch``/``torchrun``, or alone). Exit status: 0 done,
 2 a configuration problem (one line, printed by rank 0 only), 1 a run that stopped on a checkpoint,
-non-finite or peer failure (one line per rank that saw it).
+non-finite or peer failure (one line per rank that saw it) or because a step ran out of memory on some
+rank (one line on every rank: which rank, where, and the planner's advice for this machine).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure, one_line, report_failure
-from .config import ConfigError, FinetuneConfig, load_config
+from .config import FinetuneConfig, load_config
+from .errors import ConfigError
 from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
-from .log import install_console_handler
+from .log import install_console_handler, logger
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1
 WORKER_MODULE = "lightseq_hf.training.cli"
@@ -149,6 +151,7 @@ def _process_group_failed(e: BaseException) -> str:
 def _worker_failed(e: BaseException) -> int:
     """Report a worker's failure (published for its peers first), in one line where it is understood."""
     from ..guard.parity import ParityError
+    from .failures import OutOfMemoryStop
     from .guards import NonFiniteError
     from .saving import CheckpointError
 
@@ -162,7 +165,8 @@ def _worker_failed(e: BaseException) -> int:
         return _fail(_process_group_failed(e), EXIT_CONFIG, every_rank=True)
     if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
         e = explain_peer_failure(e, "the run")
-    report_failure(e)
+    if not isinstance(e, OutOfMemoryStop):  # that one published its line itself
+        report_failure(e)
     if isinstance(e, ConfigError):
         return _fail(f"config error: {e}", EXIT_CONFIG)
     if isinstance(e, (CheckpointError, NonFiniteError)):
@@ -170,9 +174,9 @@ def _worker_failed(e: BaseException) -> int:
     if isinstance(e, ParityError):
         return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
                      EXIT_FAILED, every_rank=True)
-    if isinstance(e, PeerFailure):
-        if e.failed_rank == 0 and e.reason.startswith(ConfigError.__name__):
-            return EXIT_CONFIG  # rank 0 printed the configuration problem
+    if isinstance(e, PeerFailure) and e.reason.startswith(f"rank 0 failed: {ConfigError.__name__}:"):
+        return EXIT_CONFIG  # rank 0 printed the configuration problem
+    if isinstance(e, (PeerFailure, OutOfMemoryStop)):
         return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
     if isinstance(e, (ValueError, OSError)):  # the library's refusals, and the system's (disk, files)
         return _fail(f"rank {os.environ.get('RANK', '0')} stopped: {one_line(e)}", EXIT_FAILED,
@@ -261,7 +265,17 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
                           grace_s=min(cfg.training.timeout_s, 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
+    _start_worker()
     return _run_worker(cfg)
+
+
+def _start_worker() -> None:
+    """What a training process sets before its first CUDA allocation: the allocator's default."""
+    from .launch import use_expandable_segments
+
+    line = use_expandable_segments()
+    if _is_reporting_rank():
+        logger.info(line)
 
 
 def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> NoReturn:

@@ -29,10 +29,9 @@ from pydantic import (
 
 from ..checkpoint import CHECKPOINTING_MODES
 from ..kernels import BACKENDS
-
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the key."""
+from .architecture import check_model_config, model_vocab_size
+from .data import FILE_FORMATS, detect_format
+from .errors import ConfigError
 
 
 def _as_list(value: Any) -> Any:
@@ -386,8 +385,6 @@ def _validate_layout(cfg: FinetuneConfig, world_size: int | None) -> None:
 
 def _validate_model(cfg: FinetuneConfig, base: Path | None) -> int | None:
     """model.*, the tokenizer path and the architecture entries; the model's vocab_size when known."""
-    from .architecture import check_model_config, model_vocab_size
-
     m = cfg.model
     if m.path is None and not m.config:
         raise ConfigError("model: give model.path (a Hugging Face checkpoint) or model.config (inline)")
@@ -442,8 +439,6 @@ BYTE_VOCAB = 257  # data.ByteTokenizer: ids 0-255 and the end-of-text id 256
 
 def _check_formats(paths: list[str], fmt: str) -> None:
     """An explicit data.format must match every file whose extension says otherwise."""
-    from .data import FILE_FORMATS, detect_format
-
     if fmt == "auto":
         detect_format(paths)  # a file of unknown format, or mixed formats: ConfigError
         return

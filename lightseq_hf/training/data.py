@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from .config import ConfigError
+from .errors import ConfigError
 
 FILE_FORMATS = {  # extension -> the `datasets` builder
     ".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",

@@ -1,6 +1,7 @@
 """Run guards: non-finite values and peers that stop answering.
 
-* :class:`NonFiniteError` stops a run whose loss or gradient norm is NaN/Inf, naming the step.
+* :class:`NonFiniteError` stops a run whose loss or gradient norm is NaN/Inf, naming the step;
+  :func:`check_every_parameter_has_a_gradient` one whose wrapping left trainable parameters out.
 * :class:`Progress` records what each rank is doing (in the process group's key-value store), so a
   rank whose collective fails can say which operation it was in, and which rank failed and why
   (:mod:`lightseq_hf.parallel.failures`) or where each peer last was; :meth:`Progress.explain` turns the
@@ -15,9 +16,12 @@ import json
 import time
 from collections.abc import Iterator
 
+import torch
+
 from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure
 
-__all__ = ["NonFiniteError", "PeerFailure", "Progress", "is_comm_failure"]
+__all__ = ["NonFiniteError", "PeerFailure", "Progress", "check_every_parameter_has_a_gradient",
+           "is_comm_failure"]
 
 
 class NonFiniteError(RuntimeError):
@@ -89,3 +93,14 @@ class Progress:
         return explain_peer_failure(
             exc, f"'{self.operation}' at step {self.step}",
             f"a peer did not answer within training.timeout_s={self.timeout_s:g} s or left ({self.peers()})")
+
+
+def check_every_parameter_has_a_gradient(model: torch.nn.Module) -> None:
+    """Raise if a trainable parameter got no gradient from the first step: it would silently never train."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise RuntimeError(
+            f"{len(missing)} trainable parameters received no gradient in the first step ({shown}); they "
+            "would never train. Freeze them (requires_grad=False) or report this with the wrapping used."
+        )

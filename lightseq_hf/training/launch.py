@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import lightseq_hf
@@ -32,6 +33,9 @@ _REPORTED = (1, 2)  # exit statuses whose reason the worker printed itself
 #: set in each worker's environment: the launcher's process id (the worker stops when it dies)
 LAUNCHER_PID_ENV = "LIGHTSEQ_LAUNCHER_PID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+#: the CUDA caching allocator's setting every training process starts with, unless the user chose one
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
 class _Stopped(Exception):
@@ -70,6 +74,21 @@ def worker_env(base: dict[str, str], rank: int, world: int, port: int) -> dict[s
     return {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
             "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
             "GROUP_RANK": "0", "NODE_RANK": "0", "PYTHONPATH": path, LAUNCHER_PID_ENV: str(os.getpid())}
+
+
+def use_expandable_segments(environ: MutableMapping[str, str] = os.environ) -> str:
+    """Set ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` in ``environ`` unless the user set the
+    allocator's configuration (``PYTORCH_CUDA_ALLOC_CONF``, or torch's newer ``PYTORCH_ALLOC_CONF``);
+    returns the one log line saying which. The CUDA caching allocator reads the variable once, at its
+    first allocation: call this before the process touches CUDA. Expandable segments grow one mapping
+    per stream instead of caching blocks of fixed sizes, so long-context steps, whose activations change
+    size from layer to layer, do not strand reserved but unallocated memory."""
+    for name in (ALLOC_CONF, "PYTORCH_ALLOC_CONF"):
+        if environ.get(name):
+            return f"{name}={environ[name]} (set by the user) configures the CUDA allocator"
+    environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
+    return (f"{ALLOC_CONF}={EXPANDABLE_SEGMENTS}: the CUDA allocator grows its segments instead of "
+            f"fragmenting (set {ALLOC_CONF} to choose otherwise)")
 
 
 def _describe_death(rank: int, code: int) -> str:

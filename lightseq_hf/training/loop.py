@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import metrics
 from .build import (
@@ -31,15 +30,28 @@ from .build import (
     check_tokenizer_fits,
     count_steps,
     offload_setting,
+    rank_memory_budget,
+    run_sharding,
     use_fsdp_cpu_offload,
 )
 from .checkpoints import TrainState, check_same_data, load_resume_state, reconcile_schedule, save_checkpoint
-from .config import ConfigError, FinetuneConfig, validate
+from .config import FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, data_fingerprint, load_tokenizer
+from .errors import ConfigError
 from .evaluation import evaluate_passkey
-from .guards import NonFiniteError, Progress
+from .failures import (
+    FailureBoard,
+    PeerWatch,
+    is_out_of_memory,
+    main_decides,
+    out_of_memory_line,
+    stop_for_out_of_memory,
+    tell_peers,
+)
+from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradient
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
+from .planning import memory_advice
 from .saving import CheckpointError, read_completion_record
 
 
@@ -59,40 +71,10 @@ def _finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
 
-def check_every_parameter_has_a_gradient(model: torch.nn.Module) -> None:
-    """Raise if a trainable parameter got no gradient from the first step: it would silently never train."""
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise RuntimeError(
-            f"{len(missing)} trainable parameters received no gradient in the first step ({shown}); they "
-            "would never train. Freeze them (requires_grad=False) or report this with the wrapping used."
-        )
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
-def _main_decides(accelerator: Any, fn: Any) -> Any:
-    """Run ``fn`` on the main process and hand its result, or its ConfigError/CheckpointError, to every
-    rank (so that all ranks stop together, with the same message)."""
-    result: list[Any] = [None, None]
-    if accelerator.is_main_process:
-        try:
-            result = [fn(), None]
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
-            result = [None, (type(e).__name__, str(e))]
-    if accelerator.num_processes > 1:
-        device = accelerator.device if dist.get_backend() == "nccl" else None
-        dist.broadcast_object_list(result, src=0, device=device)
-    if result[1] is not None:
-        kind, msg = result[1]
-        known = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}
-        raise known[kind](msg) if kind in known else RuntimeError(f"{kind}: {msg}")
-    return result[0]
 
 
 def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None, str]:
@@ -133,6 +115,8 @@ class Trainer:
         validate(self.cfg, world_size=self.world)
         set_seed(t.seed)  # the same initial weights on every rank
         self.progress = Progress(self.accelerator.process_index, self.world, t.timeout_s)
+        self.memory_budget = rank_memory_budget(self.accelerator)  # before this run holds any
+        self.failures = FailureBoard.for_default_group(self.accelerator.process_index, self.world)
 
     def _build_run(self) -> None:
         """Groups, the resume choice, tokenizer, patched model, dataset and the step count."""
@@ -141,7 +125,7 @@ class Trainer:
         cfg, t = self.cfg, self.t
         with self.progress.phase("set-up", 0):
             self.groups = init_sequence_parallel(cfg.sp_size or self.world, timeout=self.timeout)
-            self.resume, self.resume_step, self.data_fingerprint = _main_decides(
+            self.resume, self.resume_step, self.data_fingerprint = main_decides(
                 self.accelerator, lambda: _resume_point(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
         model = build_model_or_explain(cfg, self.device)
@@ -271,6 +255,7 @@ class Trainer:
         if skipped:
             self._raise_or_warn_nonfinite(step, loss, grad_norm)
         else:
+            self.progress.set("optimizer step", step)
             self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -280,6 +265,18 @@ class Trainer:
         self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches)
         self.state.tokens += self.tokens_per_step
         return StepResult(loss, grad_norm, skipped, time.perf_counter() - tic, batches)
+
+    def _guarded_step(self, batches: list[dict]) -> StepResult:
+        """:meth:`train_step`; running out of memory raises OutOfMemoryStop, one line on every rank."""
+        try:
+            return self.train_step(batches)
+        except Exception as e:
+            if not is_out_of_memory(e):
+                raise
+            advice = memory_advice(self.cfg, self.world, run_sharding(self.accelerator), *self.memory_budget)
+            line = out_of_memory_line(self.accelerator.process_index, self.progress.operation,
+                                      self.state.step + 1, e, self.device, advice)
+        raise stop_for_out_of_memory(self.failures, line)  # outside the handler: its frames are freed
 
     def _check_parity(self, batch: dict) -> None:
         """The first step's parity check (lightseq_hf.check_parity) on ``batch``; its report goes to the
@@ -389,7 +386,7 @@ class Trainer:
     def _train_all_steps(self) -> None:
         while self.state.step < self.total_steps:
             for batches in self._steps_of_epoch():
-                self.log_step(self.train_step(batches))
+                self.log_step(self._guarded_step(batches))
                 self._after_step()
                 if self.state.step >= self.total_steps:
                     return
@@ -407,14 +404,21 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.state.step, desc="fine-tune", dynamic_ncols=True,
                         disable=not (self.is_main and self.cfg.logging.progress_bar))
         metrics.reset_peak_memory(self.device)
+        self.watch = PeerWatch(self.failures) if self.failures is not None else None
+        if self.watch is not None:
+            self.watch.start()
         self.t_start = time.perf_counter()
         self.model.train()
         self.start_step = self.state.step
-        self._train_all_steps()
-        self.bar.close()
-        if self.cfg.data.type == "synthetic" and self.cfg.data.synthetic.eval_samples:
-            self.evaluate()
-        ckpt = self.save() if self.cfg.saving.final else None
+        try:
+            self._train_all_steps()
+            self.bar.close()
+            if self.cfg.data.type == "synthetic" and self.cfg.data.synthetic.eval_samples:
+                self.evaluate()
+            ckpt = self.save() if self.cfg.saving.final else None
+        except Exception as e:
+            tell_peers(self.failures, e)  # their watch ends them, naming this rank
+            raise
         return self.finish(ckpt)
 
     # ------------------------------------------------------------------ the end
@@ -464,6 +468,8 @@ class Trainer:
 
     def end(self) -> None:
         """Every rank arrives, then the process groups are destroyed."""
+        if getattr(self, "watch", None) is not None:
+            self.watch.stop()
         with self.progress.phase("finish", getattr(self, "state", TrainState()).step):
             self.accelerator.wait_for_everyone()
         self.accelerator.end_training()

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import RESUME_LATEST, RESUME_LATEST_OR_FRESH, ConfigError, FinetuneConfig
+from .config import RESUME_LATEST, RESUME_LATEST_OR_FRESH, FinetuneConfig
+from .errors import ConfigError
 from .log import logger
 from .saving import CheckpointError, checkpoint_step, find_latest_checkpoint, verify_checkpoint
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError
+from .errors import ConfigError
 
 
 def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
@@ -95,3 +95,71 @@ def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
         f"{longest} tokens ({longest // 1024}K)" if longest else
         f"nothing fits {gpu_gib:.0f} GiB device / {host_gib:.0f} GiB host memory per rank",
     ])
+
+
+#: tokens per tile of the tiled MLP the out-of-memory advice proposes
+ADVICE_TILE = 8192
+
+
+def _memory_options(cfg: Any, world: int, sharding: str) -> list[tuple[str, dict]]:
+    """The memory options a config has left to turn on, cheapest in step time first: ``(the setting to
+    write, the planner's changes)``."""
+    t = cfg.training
+    out: list[tuple[str, dict]] = []
+    if t.checkpointing == "none":
+        out.append(("training.checkpointing=remat", {"checkpointing": "remat"}))
+    if t.offload_checkpoints is not True and t.offload_checkpoints != "auto":  # none, or some layers
+        out.append(("training.offload_checkpoints=auto", {"offload_checkpoints": "auto"}))
+    if t.tiled_mlp is None:
+        out.append((f"training.tiled_mlp={ADVICE_TILE}", {"tiled_mlp": ADVICE_TILE}))
+    if (cfg.sp_size or world) < world:
+        out.append((f"sp_size={world}", {"sp_size": world}))
+    if not t.cpu_offload and sharding == "fsdp" and world > 1:
+        out.append(("training.cpu_offload=true", {"cpu_offload": True}))
+    return out
+
+
+def memory_advice(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> str:
+    """What to change when a step of ``cfg`` runs out of memory, in one sentence: the cheapest memory
+    option the planner says makes the context fit ``gpu_bytes`` of device and ``host_bytes`` of host
+    memory per rank (or all of them, and how far they reach), and the longest context as configured.
+    Never raises: a planner that cannot read the config makes the sentence point at ``--plan``."""
+    try:
+        return _advice(cfg, world, sharding, gpu_bytes, host_bytes)
+    except Exception as e:  # noqa: BLE001 - the out-of-memory line must come whatever the planner says
+        return f"lightseq-finetune CONFIG --plan shows what fits (the planner could not advise: {e})"
+
+
+def _advice(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> str:
+    from dataclasses import replace
+
+    from ..planner import GIB, longest_context
+
+    shape, opts = plan_inputs(cfg, world, sharding)
+    context = cfg.context_length
+
+    def reach(changes: dict) -> int:
+        return longest_context(shape, replace(opts, **changes), gpu_bytes, host_bytes)
+
+    as_is = reach({})
+    head = f"the planner, for {gpu_bytes / GIB:.0f} GiB of device and {host_bytes / GIB:.0f} GiB of host " \
+           "memory per rank, "
+    if as_is >= context:
+        head += (f"expected {context} tokens to fit (up to {as_is} as configured), so the allocator's "
+                 "fragmentation or memory outside the plan took the rest: ")
+        unit = opts.sp_size * 64
+        shorter = context * 7 // 8 // unit * unit  # a margin below the plan
+    else:
+        head += f"fits up to {as_is} tokens as configured: " if as_is else "fits no context as configured: "
+        shorter = as_is
+    options = [(name, changes, reach(changes)) for name, changes in _memory_options(cfg, world, sharding)]
+    fitting = [o for o in options if o[2] >= context]
+    if fitting:
+        tip = f"turn on {fitting[0][0]} (fits up to {fitting[0][2]} tokens)"
+    elif options:
+        together = reach({k: v for _, changes, _ in options for k, v in changes.items()})
+        tip = f"turn on {' and '.join(name for name, _, _ in options)} (together up to {together} tokens)"
+    else:
+        tip = "every memory option is on; use more GPUs"
+    tail = f", or set context_length={shorter}" if shorter > 0 else ""
+    return head + tip + tail + " (lightseq-finetune CONFIG --plan shows the breakdown)"

@@ -7,7 +7,8 @@ import math
 import torch
 
 SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads, vocab)
-    "7b": (4096, 11008, 32, 32, 32, 32000),
+    "7b": (4096, 11008, 32, 32, 32, 32000),  # Llama-2-7B
+    "8b": (4096, 14336, 32, 32, 8, 128256),  # Llama-3.1-8B (GQA, its vocabulary)
     "7b-gqa": (4096, 11008, 32, 32, 8, 32000),
     "7b-33h": (4224, 11008, 32, 33, 33, 32000),  # the paper's irregular LLaMA-33H (head dim 128)
     "tiny": (64, 128, 2, 4, 2, 128),

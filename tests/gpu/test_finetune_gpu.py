@@ -35,7 +35,8 @@ SMALL = ["configs/llama2-7b-32k-2gpu.yaml", "context_length=8192", "model.config
 
 def _launch(nproc: int, overrides: list[str], port: int) -> str:
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=str(ROOT))
+               NVSHMEM_DISABLE_NVLS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "configs/accelerate/1node-8gpu-fsdp.yaml"), "--num_processes", str(nproc),
            "--main_process_port", str(port), "scripts/finetune.py", *SMALL, *overrides]

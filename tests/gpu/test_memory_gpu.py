@@ -24,12 +24,18 @@ SEQ = 2048
 
 
 def worker(rank, world):
+    with pytest.MonkeyPatch.context() as patches:  # undone when the worker ends, even by an exception
+        return check_memory_options(rank, world, patches)
+
+
+def check_memory_options(rank, world, patches):
     import collections
 
     import torch.distributed as dist
     from tiny_models import VOCAB, loss_and_grads, make_batch
 
     import lightseq_hf
+    from lightseq_hf._testing.views import pooled_host_buffers
     from lightseq_hf.parallel import ops
 
     backward_heads = []  # query heads of every schedule backward (the op runs one per head group)
@@ -39,9 +45,9 @@ def worker(rank, world):
         backward_heads.append(q.shape[2])
         return schedule_backward(dout, q, *args, **kwargs)
 
-    ops.dist_attn_backward = recording_backward
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    patches.setattr(ops, "dist_attn_backward", recording_backward)
+    patches.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    patches.setattr(torch.backends.cudnn, "allow_tf32", False)
     device = torch.device("cuda", rank)
     failures = []
     ids, labels = make_batch(1, SEQ, seed=3, ignore_prefix=1)
@@ -59,7 +65,7 @@ def worker(rank, world):
     # (offload_checkpoints, tiled_mlp, backward chunk bytes -> expected chunks)
     for offload, tile, chunk_bytes, chunks in [(True, 512, 2**30, 1), (2, None, 1, 4), (False, 256, 1, 4)]:
         tag = f"offload {offload} tiled {tile} chunks {chunks}"
-        ops.BACKWARD_CHUNK_BYTES = chunk_bytes
+        patches.setattr(ops, "BACKWARD_CHUNK_BYTES", chunk_bytes)
         backward_heads.clear()
         m = lightseq_hf.patch_model(model(), backend="auto", offload_checkpoints=offload, tiled_mlp=tile)
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -83,8 +89,7 @@ def worker(rank, world):
                 if stats.fetch_order != list(range(layers - 1, -1, -1)):
                     failures.append(f"{tag}: fetch order {stats.fetch_order}")
                 allocated = stats.host_buffers_allocated
-                pool = m.lightseq_offloader.pool(device)
-                buffers = [b for free in pool._free.values() for b in free]
+                buffers = pooled_host_buffers(m.lightseq_offloader.pool(device))
                 if not buffers or not all(b.is_pinned() for b in buffers):
                     failures.append(f"{tag}: host buffers not page-locked")
                 if stats.host_bytes_reserved != stats.offloaded_bytes:  # exact sizes, no rounding
@@ -97,8 +102,6 @@ def worker(rank, world):
             failures.append(f"{tag}: backward head chunks {got}")
         if offload:
             m.lightseq_offloader.release_host_memory()
-    ops.BACKWARD_CHUNK_BYTES = 2**30
-    ops.dist_attn_backward = schedule_backward
     lightseq_hf.unpatch_llama()
     return failures
 

@@ -1,0 +1,80 @@
+"""Out of device memory on GPUs, and the allocator the fine-tune's workers start with.
+
+* A worker of ``lightseq-finetune`` (``cli`` sets the variable after torch is imported, before the first
+  CUDA allocation) gets a CUDA allocator with expandable segments; a user's setting is kept.
+* ``scripts/finetune.py`` through ``accelerate launch`` (FSDP2, 2 GPUs, NCCL) at a context the planner
+  puts far past the GPU (1M tokens, 2 layers of the 7B widths): every rank ends within seconds with one
+  line, the rank that ran out naming the planner's advice for this GPU, the other rank the same line;
+  status 1; no worker traceback.
+
+Run on a machine with at least 2 GPUs: ``python -m pytest tests/gpu/test_out_of_memory_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+if torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = """
+import torch
+from lightseq_hf.training import cli
+cli._start_worker()  # what a worker does before training: torch imported, CUDA untouched
+x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+snapshot = torch.cuda.memory._snapshot()
+expandable = [s.get("is_expandable") for s in snapshot["segments"]]
+settings = snapshot.get("allocator_settings", {})
+print("EXPANDABLE", any(expandable) or bool(settings.get("expandable_segments")))
+"""
+
+
+def _probe(env_extra: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    env.update(env_extra, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_workers_allocate_with_expandable_segments_unless_the_user_chose():
+    out = _probe({})
+    assert "EXPANDABLE True" in out and "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in out, out
+    out = _probe({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"})
+    assert "EXPANDABLE False" in out and "(set by the user)" in out, out
+
+
+def test_out_of_memory_is_one_line_on_every_rank():
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "configs/accelerate/1node-8gpu-fsdp.yaml"), "--num_processes", "2",
+           "scripts/finetune.py", "configs/llama2-7b-32k-2gpu.yaml", "context_length=1048576",
+           "model.config.num_hidden_layers=2", "model.config.max_position_embeddings=1048576",
+           "training.grad_accum=1", "training.max_steps=2", "parity.enabled=false", "logging.eval_every=0",
+           "data.synthetic.eval_samples=0", "logging.progress_bar=false", "saving.final=false",
+           f"output_dir={ROOT / 'runs' / 'gpu-oom-test'}", "saving.if_output_exists=archive"]
+    tic = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - tic
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-6000:]
+    lines = [line for line in out.splitlines() if "ran out of memory in" in line]
+    assert len(lines) == 2, out[-6000:]
+    own = [line for line in lines if line.startswith("lightseq-finetune: stopped: rank ")]
+    other = [line for line in lines if line.startswith("lightseq-finetune: stopped on rank ")]
+    assert len(own) + len(other) == 2 and own, lines  # both may run out at once: each names itself
+    assert all("GiB allocated" in line and "the planner, for" in line and "context_length=" in line
+               for line in lines), lines
+    assert out.count("Traceback") == out.count("raise ChildFailedError("), out[-6000:]
+    print(f"\n{wall:.0f} s; {lines[0]}")
