@@ -177,11 +177,12 @@ def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=
         lightseq_hf.patch_llama(model, checkpointing=base, backend=local_kernel,
                                 offload_checkpoints=offload,
                                 tiled_mlp=tile if "tiled" in options else None)
-        model.gradient_checkpointing_enable()
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     else:
         lightseq_hf.unpatch_llama()
         # transformers' own offload for the peer (save_on_cpu on the compute stream)
-        model.gradient_checkpointing_enable(**({"offload": True} if "offload" in options else {}))
+        enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+        enable(**({"offload": True} if "offload" in options else {}))
         if base == "torch_cp":
             use_chunked_loss(model)
     model = shard(model, device, cpu_offload="cpuadam" in options)

@@ -38,7 +38,7 @@ def worker(steps: int, ending: str) -> None:
                                       max_position_embeddings=512)
     torch.manual_seed(0)
     model = lightseq_hf.patch(transformers.LlamaForCausalLM(config))
-    model.gradient_checkpointing_enable()
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     ids = torch.randint(0, 128, (1, 96), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         model(input_ids=ids, labels=ids).loss.backward()

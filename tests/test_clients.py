@@ -249,6 +249,20 @@ def client_torch_compile(out_dir):
     return {"losses": losses, "grad_norms": norms, "forwards": STEPS, "max_len": LENGTH}
 
 
+def _cache_of(output):
+    """The KV cache of a forward's output, under Transformers' current name (``cache`` from 5.24)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+def _decode_step(model, ids, previous):
+    """One decoding step after ``previous`` (a forward with ``use_cache=True``), passing the cache under the
+    name the model's forward takes (``past_key_values`` goes in Transformers 5.40)."""
+    from lightseq_hf.patches.forward import cache_keyword
+
+    return model(input_ids=ids, use_cache=True, **{cache_keyword(type(model).forward): _cache_of(previous)})
+
+
 def client_kv_cache(out_dir):
     """Prefill with use_cache=True, one decode step, and generate(): unsharded on every rank."""
     model = _model()
@@ -256,7 +270,7 @@ def client_kv_cache(out_dir):
     ids = torch.tensor(_rows()[0])[None]
     with torch.no_grad():
         prefill = model(input_ids=ids[:, :-1], use_cache=True)
-        step = model(input_ids=ids[:, -1:], past_key_values=prefill.past_key_values, use_cache=True)
+        step = _decode_step(model, ids[:, -1:], prefill)
         generated = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
     values = [float(prefill.logits.double().abs().sum()), float(step.logits.double().abs().sum()),
               float(generated.double().sum())]
@@ -445,7 +459,7 @@ def test_single_process_boundary(caplog):
     with torch.no_grad():
         ref_hidden = ref.model(input_ids=ids).last_hidden_state
         ref_cache = ref(input_ids=ids[:, :-1], use_cache=True)
-        ref_step = ref(input_ids=ids[:, -1:], past_key_values=ref_cache.past_key_values, use_cache=True)
+        ref_step = _decode_step(ref, ids[:, -1:], ref_cache)
     try:
         lightseq_hf.patch_llama()
         model = _model()
@@ -458,8 +472,8 @@ def test_single_process_boundary(caplog):
         with torch.no_grad():
             assert rel_err(model.model(input_ids=ids).last_hidden_state, ref_hidden) <= 1e-6
             cache = model(input_ids=ids[:, :-1], use_cache=True)
-            assert cache.past_key_values is not None and rel_err(cache.logits, ref_cache.logits) <= 1e-6
-            step = model(input_ids=ids[:, -1:], past_key_values=cache.past_key_values, use_cache=True)
+            assert _cache_of(cache) is not None and rel_err(cache.logits, ref_cache.logits) <= 1e-6
+            step = _decode_step(model, ids[:, -1:], cache)
             assert rel_err(step.logits, ref_step.logits) <= 1e-6
             assert model(input_ids=ids, logits_to_keep=1).logits.shape == (2, 1, 128)
         with pytest.raises(ValueError, match="lightseq_logits='rows': choose 'full'"):

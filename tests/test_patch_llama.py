@@ -259,9 +259,9 @@ def test_sharding_helpers():
     pieces = [sharding.take_shard(sharding.shift_labels(labels), s, value=-100) for s in shards]
     assert torch.cat(pieces, 1).tolist() == [[6, 7, 8, 9, -100, -100]]
     pos = [sharding.global_position_ids(None, 2, s, torch.device("cpu")) for s in shards]
-    assert torch.cat(pos, 1).tolist() == [list(range(6))] * 2
+    assert torch.cat(pos, 1).tolist() == [[0, 1, 2, 3, 4, 4]] * 2  # the pad repeats the last position
     offset = torch.arange(3, 8).unsqueeze(0)
-    assert sharding.global_position_ids(offset, 1, shards[2], torch.device("cpu")).tolist() == [[7, 8]]
+    assert sharding.global_position_ids(offset, 1, shards[2], torch.device("cpu")).tolist() == [[7, 7]]
     # the chunked loss equals the one-shot cross-entropy sum, value and gradient
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 11, 8, generator=g, requires_grad=True)

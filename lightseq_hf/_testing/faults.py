@@ -10,11 +10,13 @@ variable. Points: ``step`` (a step, before its forward pass), ``loss`` (the step
 ``backward`` (the first decoder layer's forward, or the backward through its output, in the step's
 training pass). Actions: ``kill`` (SIGKILL), ``stop`` (SIGSTOP), ``hang`` (sleep until killed), ``nan``
 (the loss becomes NaN; ``loss`` only), ``oom`` (raise ``torch.OutOfMemoryError`` as the CUDA allocator
-does).
+does), ``raise`` (a ValueError, as a crash of the user's own code would), ``diskfull`` (an OSError
+"No space left on device").
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -25,7 +27,7 @@ from pathlib import Path
 
 ENV = "LIGHTSEQ_TEST_FAULTS"
 POINTS = ("step", "loss", "save", "forward", "backward")
-ACTIONS = ("kill", "stop", "hang", "nan", "oom")
+ACTIONS = ("kill", "stop", "hang", "nan", "oom", "raise", "diskfull")
 _STEP = [0]  # the step whose training pass is running (0: none, e.g. the first step's parity check)
 
 
@@ -67,6 +69,10 @@ def act(faults: list[Fault], point: str, rank: int, step: int) -> bool:
             import torch
 
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. (fault injection)")
+        elif f.action == "raise":
+            raise ValueError(f"injected failure ({point} point, step {step})")
+        elif f.action == "diskfull":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"step {step}")
         return f.action == "nan"
     return False
 

@@ -3,6 +3,7 @@
 import atexit
 
 from .api import dist_flash_attn
+from .failures import install_excepthook
 from .groups import ParallelGroups, current_groups, init_sequence_parallel
 from .merge import merge_into
 from .schedule import SCHEDULES, Schedule, SpanTask, Task, build_schedule
@@ -12,6 +13,8 @@ from .teardown import release_at_exit
 
 # Before the interpreter finalizes, while gloo's threads can still take the GIL (teardown's docstring).
 atexit.register(release_at_exit)
+# An uncaught exception on one rank is published for the others, who then name it (failures' docstring).
+install_excepthook()
 
 __all__ = [
     "ParallelGroups",

@@ -119,6 +119,13 @@ def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, s
         if not finite:
             raise ValueError(f"softmax_scale must be a finite number; got {softmax_scale}.")
     if q.shape[1] != k.shape[1]:
+        if q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0:  # q/k differ in heads, not tokens
+            raise ValueError(
+                f"q {tuple(q.shape)} and k {tuple(k.shape)} agree on dim 2 and differ on dim 1 by a whole "
+                f"factor: that is Transformers' (batch, heads, seq, head_dim) layout with {q.shape[1]} query "
+                f"and {k.shape[1]} key/value heads. dist_flash_attn takes (batch, seq, heads, head_dim): "
+                "pass q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2) (and transpose the output "
+                "back).")
         raise ValueError(
             f"q has {q.shape[1]} local tokens but k/v have {k.shape[1]}; dist_flash_attn shards "
             "one sequence, so q, k and v shards must have the same length."
@@ -130,14 +137,18 @@ def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, s
     check_softcap(softcap)
 
 
-def _segments_of(segments, cu_seqlens, window, batch: int, length: int, world: int, local: int):
+def _segments_of(segments, cu_seqlens, window, batch: int, length: int, world: int, local: int,
+                 heads: int = 0):
     """The segments of the full rows (None: plain rows without a window)."""
     seg = as_segments(segments if segments is not None else cu_seqlens, batch, length)
     if seg is not None and (seg.batch, seg.length) != (batch, length):
+        transposed = seg.length == heads * world and seg.batch == batch
         raise ValueError(
             f"segments describe {seg.batch} rows of {seg.length} tokens, but the full inputs are {batch} "
-            f"rows of {length} tokens ({local} per rank x {world} ranks); build them for the full, "
-            "padded rows (Segments.padded extends them with padding)."
+            f"rows of {length} tokens ({local} per rank x {world} ranks); " + (
+                "q looks like Transformers' (batch, heads, seq, head_dim) layout: dist_flash_attn takes "
+                "(batch, seq, heads, head_dim), pass q.transpose(1, 2) (and k, v alike)." if transposed else
+                "build them for the full, padded rows (Segments.padded extends them with padding).")
         )
     if window is not None and seg is None:
         seg = Segments.full(batch, length)
@@ -215,7 +226,8 @@ def dist_flash_attn(
     _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, segments, cu_seqlens,
                      window, softcap)
     _, world = group_rank_and_size(group)
-    seg = _segments_of(segments, cu_seqlens, window, q.shape[0], q.shape[1] * world, world, q.shape[1])
+    seg = _segments_of(segments, cu_seqlens, window, q.shape[0], q.shape[1] * world, world, q.shape[1],
+                       q.shape[2])
     lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], _mask_kind(causal, seg, window),
                             softcap is not None, lse_grad)

@@ -224,8 +224,8 @@ def segments_from_hf(
     length: int,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    cu_seq_lens_q: torch.Tensor | None = None,
-    cu_seq_lens_k: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | Sequence[int] | None = None,
+    cu_seq_lens_k: torch.Tensor | Sequence[int] | None = None,
 ) -> Segments | None:
     """Segments from Hugging Face inputs, or ``None`` for plain rows (one document each, no padding).
 
@@ -233,8 +233,8 @@ def segments_from_hf(
       row); zeros between ones are refused (that is not padding).
     - ``position_ids`` ``(batch, length)`` or ``(length,)``: a new document starts wherever the position
       does not continue the previous one by +1 (``DataCollatorWithFlattening``, TRL padding-free).
-    - ``cu_seq_lens_q`` / ``cu_seq_lens_k``: flash-attn cumulative lengths over the flattened batch;
-      they must agree (self-attention). Tokens after the last document are padding.
+    - ``cu_seq_lens_q`` / ``cu_seq_lens_k``: flash-attn cumulative lengths over the flattened batch
+      (tensors or lists); they must agree (self-attention). Tokens after the last document are padding.
     """
     valid = torch.ones(batch, length, dtype=torch.bool)
     starts = torch.zeros(batch, length, dtype=torch.bool)
@@ -282,13 +282,13 @@ def segments_from_hf(
     return Segments(length, tuple(_runs(valid[r], starts[r]) for r in range(batch)))
 
 
-def _cu_documents(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, batch: int, length: int,
-                  valid: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cu_documents(cu_q: torch.Tensor | Sequence[int] | None, cu_k: torch.Tensor | Sequence[int] | None,
+                  batch: int, length: int, valid: torch.Tensor,
+                  starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``valid`` and ``starts`` with the documents of flash-attn's cumulative lengths; ``starts`` holds the
     document starts the position ids gave, each of which must also start a document here (flash-attn
     would attend across a restart the lengths do not have; splitting there instead would mix the two)."""
-    if cu_q is None or cu_k is None or not torch.equal(cu_q.detach().cpu().long(),
-                                                       cu_k.detach().cpu().long()):
+    if cu_q is None or cu_k is None or _whole_numbers(cu_q) != _whole_numbers(cu_k):
         raise ValueError(
             "cu_seq_lens_q and cu_seq_lens_k must both be given and equal (causal self-attention of "
             "packed documents)."

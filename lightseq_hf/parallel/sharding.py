@@ -99,11 +99,28 @@ def take_shard(x: torch.Tensor, shard: SequenceShard, *, dim: int = 1, value: fl
     return pad_to_multiple(x, shard.world, dim=dim, value=value).narrow(dim, shard.start, shard.local_len)
 
 
+def _counting_positions(position_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``position_ids`` as ``(rows, seq_len)``; ValueError unless they count up by one along each row."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.shape[-1] != seq_len:
+        raise ValueError(f"position_ids have length {position_ids.shape[-1]} but the inputs have {seq_len} "
+                         "tokens.")
+    if seq_len > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
+        raise ValueError(
+            "position_ids restart or skip inside a row, so the row holds packed documents: pass their "
+            "segments (segments_from_hf reads them from position_ids) and shard the positions as they are "
+            "with take_shard; global_position_ids is for plain rows counting up by one."
+        )
+    return position_ids
+
+
 def global_position_ids(
     position_ids: torch.Tensor | None, batch: int, shard: SequenceShard, device: torch.device
 ) -> torch.Tensor:
-    """This rank's slice of the global position ids of plain rows (``arange`` by default; pads continue
-    counting).
+    """This rank's slice of the global position ids of plain rows (``arange`` by default). The right
+    padding repeats the last position: no real token sees a pad, and a learned position table (GPT-2's
+    ``n_positions``) has a row for it even when the row fills the table.
 
     ``position_ids`` must count up by one along each row (an offset start is fine). Packed rows, whose
     positions restart at every document, take another path: :func:`~lightseq_hf.parallel.segments.
@@ -111,23 +128,12 @@ def global_position_ids(
     they are (:func:`take_shard`).
     """
     if position_ids is None:
-        return torch.arange(shard.start, shard.end, device=device).unsqueeze(0).expand(batch, -1)
-    if position_ids.dim() == 1:
-        position_ids = position_ids.unsqueeze(0)
-    if position_ids.shape[-1] != shard.seq_len:
-        raise ValueError(
-            f"position_ids have length {position_ids.shape[-1]} but the inputs have {shard.seq_len} tokens."
-        )
-    if shard.seq_len > 1 and not bool((position_ids.diff(dim=-1) == 1).all()):
-        raise ValueError(
-            "position_ids restart or skip inside a row, so the row holds packed documents: pass their "
-            "segments (segments_from_hf reads them from position_ids) and shard the positions as they are "
-            "with take_shard; global_position_ids is for plain rows counting up by one."
-        )
+        position_ids = torch.arange(shard.seq_len, device=device).unsqueeze(0)
+    else:
+        position_ids = _counting_positions(position_ids, shard.seq_len)
     extra = shard.padded_len - shard.seq_len
     if extra:
-        tail = position_ids[:, -1:] + torch.arange(1, extra + 1, device=position_ids.device)
-        position_ids = torch.cat([position_ids, tail], dim=-1)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:].expand(-1, extra)], dim=-1)
     return position_ids[:, shard.start:shard.end].expand(batch, -1)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ class Architecture:
     attention_classes: tuple[type, ...]
     head_extras: str  # the statements changing the logits after the head ("" : a plain head, fused loss)
     features: tuple[str, ...]
+    positions_from_mask: bool = False  # the decoder derives absent position_ids from the padding mask (OPT)
 
     @property
     def fused_head(self) -> bool:
@@ -207,8 +209,16 @@ def describe(model: torch.nn.Module) -> Architecture:
         model_type=model_type, lm_class=type(model), decoder_class=type(decoder),
         pretrained_class=pretrained_base(type(model)), layer_kinds=kinds,
         attention_classes=tuple(dict.fromkeys(type(m) for m in attention)), head_extras=head,
-        features=features,
+        features=features, positions_from_mask=positions_from_mask(type(decoder)),
     )
+
+
+@functools.cache
+def positions_from_mask(decoder_class: type) -> bool:
+    """Whether the decoder stack counts the positions of absent ``position_ids`` along the padding mask
+    (``position_ids = torch.cumsum(attention_mask, ...)``, OPT) rather than along the row."""
+    counting = re.compile(r"position_ids\s*=\s*torch\.cumsum\(\s*\w*mask")
+    return counting.search(_source(decoder_class.forward)) is not None
 
 
 def _layer_kinds(config, decoder: torch.nn.Module, num_layers: int, refuse) -> tuple[str, ...]:

@@ -82,10 +82,8 @@ def lightseq_attention(
     if context is None:
         return _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if dropout:
-        raise ValueError(
-            f"attention dropout ({dropout}) is not supported by lightseq_hf's distributed attention; set "
-            "config.attention_dropout = 0.0."
-        )
+        raise ValueError(f"attention dropout ({dropout}) is not supported by lightseq_hf's distributed "
+                         f"attention; set {_dropout_fix(module, dropout)}.")
     if attention_mask is not None:  # Transformers builds no mask for this implementation: the model made it
         raise ValueError(f"{context.model_type}: {type(module).__name__} passes an attention mask of its "
                          "own (a dynamic or learned mask), which lightseq_hf's distributed attention does "
@@ -136,6 +134,21 @@ def _layer_mask(module: torch.nn.Module, context: SequenceParallelContext,
     if window is not None and window >= context.seq_len:
         window = None  # no token is further back than the window
     return context.segments, window
+
+
+def _dropout_fix(module: torch.nn.Module, rate: float) -> str:
+    """How to turn off the attention dropout ``module`` applies: on the built model (a layer reads its rate
+    from the config once, when it is built), or when loading it."""
+    attr = next((name for name, value in vars(module).items() if isinstance(value, float) and value == rate),
+                None) or next((f"{name}.p" for name, child in module.named_children()
+                               if isinstance(child, torch.nn.Dropout) and child.p == rate), None)
+    config = getattr(module, "config", None)
+    key = next((k for k in ("attention_dropout", "attn_pdrop") if getattr(config, k, None) == rate),
+               "attention_dropout")
+    loaded = (f"it to 0 in the model (for m in model.modules(): if isinstance(m, {type(module).__name__}): "
+              f"m.{attr} = 0.0), or " if attr else "")
+    return (f"{loaded}load the model with from_pretrained(..., {key}=0.0) (config.{key} = 0.0 before it "
+            "is built)")
 
 
 def _fallback_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):

@@ -32,6 +32,7 @@ class SplitBatch:
     inputs_embeds: torch.Tensor | None
     position_ids: torch.Tensor
     context: SequenceParallelContext
+    last_position: torch.Tensor  # of the whole rows (0-d): what length-dependent rotary embeddings read
 
 
 def _segments_of(attention_mask, position_ids, kwargs: dict, batch: int, seq: int) -> Segments | None:
@@ -56,6 +57,29 @@ def check_padding_labels(attention_mask: torch.Tensor | None, shifted: torch.Ten
             "padding position predicts the first real token); set their shifted labels to -100 "
             "(Transformers' and TRL's collators do for right padding) so the loss ignores padding."
         )
+
+
+def check_labels_in_documents(segments: Segments | None, shifted: torch.Tensor | None) -> None:
+    """Tokens in no document (after the last ``cu_seq_lens`` boundary) have no attention output, so they
+    may not be prediction targets; costs nothing when every token is in a document."""
+    if segments is None or shifted is None:
+        return
+    gaps = [(r, start, stop) for r, row in enumerate(segments.docs)
+            for start, stop in zip([0] + [b for _, b in row], [a for a, _ in row] + [segments.length])
+            if stop > start]
+    if not gaps:
+        return
+    outside = torch.zeros(tuple(shifted.shape[:2]), dtype=torch.bool)
+    for r, start, stop in gaps:
+        outside[r, start:stop] = True
+    bad = (shifted != IGNORE_INDEX) & outside.to(shifted.device)
+    if bool(bad.any()):
+        r, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"the label of token {t} of row {r} predicts a token, but token {t} lies in no document (after "
+            "the last cu_seq_lens_q/k boundary of its row, or between documents), so the model computes no "
+            "output there; set the labels of tokens outside the documents to -100, or extend "
+            "cu_seq_lens_q/k over them.")
 
 
 def _dtype_code(x: torch.Tensor) -> int:
@@ -103,17 +127,47 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
                               device=where, dtype=torch.int64))
     parts.append(_id_range(input_ids, where))
     parts.append(_id_range(labels if labels_ok else None, where, ignore=IGNORE_INDEX))
+    parts.append(_first_weights_sum(model, where))
     mine = torch.cat(parts)
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    rows = [tuple(t.tolist()) for t in gathered]
+    rows = [tuple(t[:-1].tolist()) for t in gathered]
     if not labels_ok:  # raised after the all-gather, so that no rank is left waiting in it
         raise ValueError(f"labels have shape {tuple(labels.shape)}; expected length {seq} and batch {batch} "
                          "like input_ids: labels must be (batch, length).")
     if len(set(rows)) > 1:
         _raise_different(rows)
     _check_vocabulary(rows[0][-4:-2], rows[0][-2:], model)
+    _check_same_weights([t[-1:].view(torch.float64).item() for t in gathered], model)
+
+
+def _first_weights_sum(model: torch.nn.Module | None, where: torch.device) -> torch.Tensor:
+    """At a model's first forward, the float64 sum of its parameters that every rank holds whole (its bits
+    as one int64; DDP/FSDP-sharded and ZeRO parameters are left out); 0 at later forwards."""
+    total = torch.zeros((), dtype=torch.float64, device=where)
+    if model is not None and not model.__dict__.get("_lightseq_weights_checked"):
+        from torch.distributed.tensor import DTensor
+
+        for p in model.parameters():
+            if p.numel() and not isinstance(p, DTensor) and not hasattr(p, "_fsdp_flattened") \
+                    and not hasattr(p, "ds_id"):
+                total += p.detach().sum(dtype=torch.float64).to(where)
+    return total.reshape(1).view(torch.int64)
+
+
+def _check_same_weights(sums: list[float], model: torch.nn.Module | None) -> None:
+    """Every rank of the group must start from the same weights: they train as one model."""
+    if model is None or model.__dict__.get("_lightseq_weights_checked"):
+        return
+    if max(abs(a - sums[0]) for a in sums) > 1e-6 * max(1.0, *(abs(a) for a in sums)):
+        shown = ", ".join(f"rank {r}: {a:.9g}" for r, a in enumerate(sums))
+        raise ValueError(
+            f"the ranks of a sequence-parallel group hold different weights at their first forward (sums of "
+            f"the parameters: {shown}); every rank must start from the same weights: seed every rank alike "
+            "before building the model (transformers.set_seed), or load the same checkpoint (DDP and FSDP "
+            "copy rank 0's weights to the others when they wrap the model).")
+    model.__dict__["_lightseq_weights_checked"] = True
 
 
 def _id_range(input_ids: torch.Tensor | None, where: torch.device, ignore: int | None = None) -> torch.Tensor:
@@ -195,15 +249,44 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
                          "forward needs at least one token per row.")
 
 
+def check_no_layerdrop(model: torch.nn.Module) -> None:
+    """LayerDrop skips decoder layers at random in training, a different draw on each rank: the ranks'
+    collectives would no longer match (a hang). Refuse it by name on every rank instead."""
+    if not model.training:
+        return
+    holders = model.__dict__.get("_lightseq_layerdrop")
+    if holders is None:
+        holders = [(name, m) for name, m in model.named_modules() if hasattr(m, "layerdrop")]
+        model.__dict__["_lightseq_layerdrop"] = holders
+    for name, module in holders:
+        if isinstance(module.layerdrop, (int, float)) and module.layerdrop > 0:
+            where = f"{name}.layerdrop" if name else "layerdrop"
+            raise ValueError(
+                f"{where} = {module.layerdrop}: LayerDrop skips decoder layers at random in training, a "
+                "different draw on each rank, which sequence parallelism cannot split. Load the model with "
+                f"layerdrop=0.0 (from_pretrained(..., layerdrop=0.0)) or set model.{where} = 0.0.")
+
+
+def _shard_pad_id(model: torch.nn.Module) -> int:
+    """The token that right-pads the last slice: the model's pad token when it is an id of its vocabulary,
+    else 0 (no real token sees a pad, so any id is exact; one outside the embedding would fail)."""
+    pad, vocab = getattr(model.config, "pad_token_id", None), getattr(model.config, "vocab_size", None)
+    return pad if isinstance(pad, int) and 0 <= pad < (vocab if isinstance(vocab, int) else pad + 1) else 0
+
+
 def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torch.Tensor | None,
                 inputs_embeds: torch.Tensor | None, attention_mask: torch.Tensor | None,
                 position_ids: torch.Tensor | None, kwargs: dict[str, Any],
-                shifted_labels: torch.Tensor | None = None, layer_kinds: tuple[str, ...] = ()) -> SplitBatch:
-    """Check a batch of full rows and cut this rank's slice of it (every rank of the group must call)."""
+                shifted_labels: torch.Tensor | None = None, layer_kinds: tuple[str, ...] = (),
+                positions_from_mask: bool = False) -> SplitBatch:
+    """Check a batch of full rows and cut this rank's slice of it (every rank of the group must call).
+    ``positions_from_mask``: the model counts absent positions along the padding mask (OPT); the slice
+    gets those positions."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
     full = input_ids if input_ids is not None else inputs_embeds
     check_inputs(input_ids, inputs_embeds)
+    check_no_layerdrop(model)
     batch, seq = full.shape[:2]
     device = full.device
     group = resolve_sp_group(settings)
@@ -211,6 +294,7 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     shard = shard_for(seq, rank, world)
     segments = _segments_of(attention_mask, position_ids, kwargs, batch, seq)
     check_padding_labels(attention_mask, shifted_labels)
+    check_labels_in_documents(segments, shifted_labels)
     if world > 1:
         check_same_batch(group, batch, seq, input_ids, shifted_labels, device, segments,
                          inputs_embeds=inputs_embeds, position_ids=position_ids,
@@ -218,17 +302,20 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     chunked = None
     if "chunked_attention" in layer_kinds:
         chunked = chunked_documents(segments, batch, seq, shard.padded_len, model.config.attention_chunk_size)
-    pad_id = getattr(model.config, "pad_token_id", None) or 0
-    if segments is not None and position_ids is not None:  # packed: positions restart per document
+    if positions_from_mask and position_ids is None and attention_mask is not None:
+        mask = attention_mask.long()
+        local_pos = take_shard(mask.cumsum(1) * mask - 1, shard)  # padding -1, as the model counts them
+    elif segments is not None and position_ids is not None:  # packed: positions restart per document
         local_pos = take_shard(position_ids.reshape(-1, seq).expand(batch, seq), shard)
     else:
         local_pos = global_position_ids(position_ids, batch, shard, device)
     context = SequenceParallelContext(
         group, settings.backend, seq, None if segments is None else segments.padded(shard.padded_len),
         layer_kinds, chunked, getattr(model.config, "model_type", ""))
+    last = position_ids.max() if position_ids is not None else torch.tensor(seq - 1, device=device)
     return SplitBatch(
-        group=group, shard=shard,
-        input_ids=take_shard(input_ids, shard, value=pad_id) if input_ids is not None else None,
+        group=group, shard=shard, last_position=last,
+        input_ids=take_shard(input_ids, shard, value=_shard_pad_id(model)) if input_ids is not None else None,
         inputs_embeds=take_shard(inputs_embeds, shard) if inputs_embeds is not None else None,
         position_ids=local_pos, context=context,
     )

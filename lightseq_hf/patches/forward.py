@@ -48,6 +48,7 @@ from ..parallel.sharding import (
 from .architectures import MEDIA_WORDS, Architecture, _forward_tree, decoder_stack
 from .attention import ACTIVE_MODEL
 from .batch import SplitBatch, split_batch
+from .rope import whole_sequence_frequencies
 from .state import ATTN_IMPLEMENTATION, PatchSettings, running_unpatched, settings_of
 
 #: ``lightseq_logits`` values: logits of the whole sequence on every rank, or of this rank's slice
@@ -173,14 +174,15 @@ def make_decoder_forward(original, architecture_of):
         arch = architecture_of(self)
         split = pending.split if pending is not None else split_batch(
             self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
-            layer_kinds=arch.layer_kinds)
+            layer_kinds=arch.layer_kinds, positions_from_mask=arch.positions_from_mask)
         token = ACTIVE_MODEL.set(arch.model_type)
         if pending is not None and pending.final_norm is not None:
             self.__dict__["_lightseq_norm_in_loss"] = pending  # FinalNormForward passes its input through
         try:
-            outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
-                               attention_mask=None, position_ids=split.position_ids, use_cache=False,
-                               lightseq_sp=split.context, return_dict=True, **kwargs)
+            with whole_sequence_frequencies(self, split.last_position):
+                outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
+                                   attention_mask=None, position_ids=split.position_ids, use_cache=False,
+                                   lightseq_sp=split.context, return_dict=True, **kwargs)
         finally:
             ACTIVE_MODEL.reset(token)
             self.__dict__.pop("_lightseq_norm_in_loss", None)
@@ -253,7 +255,7 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     decoder = decoder_stack(model)
     split = split_batch(model, settings, inputs["input_ids"], inputs["inputs_embeds"],
                         inputs["attention_mask"], inputs["position_ids"], kwargs, shifted_labels=shifted,
-                        layer_kinds=arch.layer_kinds)
+                        layer_kinds=arch.layer_kinds, positions_from_mask=arch.positions_from_mask)
     mode = ("fused" if arch.fused_head else "shard") if shifted is not None else layout
     wants_states = kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False))
     norm = decoder.__dict__.get("_lightseq_final_norm") if mode == "fused" and not wants_states else None

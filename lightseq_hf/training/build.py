@@ -16,21 +16,35 @@ from .log import logger
 from .planning import offload_value
 
 
+def model_config(cfg: FinetuneConfig) -> Any:
+    """The model's Transformers config: ``model.path``'s with the ``model.config`` entries over it, or
+    ``model.config`` alone."""
+    from transformers import AutoConfig
+
+    entries = dict(cfg.model.config or {})
+    if cfg.model.path is None:
+        return AutoConfig.for_model(entries.pop("model_type"), **entries)
+    hf_cfg = AutoConfig.from_pretrained(cfg.model.path)
+    hf_cfg.update({k: v for k, v in entries.items() if k != "model_type"})
+    return hf_cfg
+
+
 def build_model(cfg: FinetuneConfig, device: torch.device | None = None) -> torch.nn.Module:
-    """Load ``model.path`` or build ``model.config`` with random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Load ``model.path`` (``model.config`` entries override its config; a ``vocab_size`` resizes the
+    loaded embeddings) or build ``model.config`` with random weights."""
+    from transformers import AutoModelForCausalLM
+
+    from .architecture import model_vocab_size
 
     dtype = getattr(torch, cfg.model.dtype)
-    m = cfg.model
-    if m.path is not None:
-        hf_cfg = AutoConfig.from_pretrained(m.path)
-        if m.config:
-            hf_cfg.update({k: v for k, v in m.config.items() if k != "model_type"})
-        if not m.random_init:
-            return AutoModelForCausalLM.from_pretrained(m.path, config=hf_cfg, dtype=dtype)
-    else:
-        entries = dict(m.config)
-        hf_cfg = AutoConfig.for_model(entries.pop("model_type"), **entries)
+    hf_cfg = model_config(cfg)
+    if cfg.model.path is not None and not cfg.model.random_init:
+        wanted = hf_cfg.vocab_size
+        hf_cfg.vocab_size = model_vocab_size(None, cfg.model.path) or wanted  # the checkpoint's rows
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.path, config=hf_cfg, dtype=dtype)
+        if wanted != model.get_input_embeddings().num_embeddings:
+            model.resize_token_embeddings(wanted)  # model.config.vocab_size given: rows added (or cut)
+        return model
     ctx = torch.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext()
     with ctx:  # random init straight on the GPU: a 7B model initializes in seconds there
         return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
@@ -48,6 +62,19 @@ def build_model_or_explain(cfg: FinetuneConfig, device: torch.device) -> torch.n
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"model: transformers could not build the model from model.path/model.config: "
                           f"{msg}") from e
+
+
+def count_steps(cfg: FinetuneConfig, num_samples: int, dp_size: int) -> int:
+    """The run's optimizer steps: ``training.max_steps``, else the epochs over ``num_samples`` samples shared
+    by ``dp_size`` data-parallel groups. ConfigError when a group has fewer samples than one batch."""
+    t = cfg.training
+    per_group = math.ceil(num_samples / dp_size)
+    if t.batch_size > per_group:
+        raise ConfigError(f"training.batch_size {t.batch_size} exceeds the {per_group} samples each of the "
+                          f"{dp_size} data-parallel groups has; lower training.batch_size or add data")
+    if t.max_steps is not None:
+        return t.max_steps
+    return math.ceil(math.ceil(per_group / t.batch_size) / t.grad_accum) * t.epochs
 
 
 def tokenizer_size(tokenizer: Any) -> int | None:
@@ -124,6 +151,17 @@ def check_backend_device(backend: str, model: torch.nn.Module) -> None:
         raise ConfigError(f"training.backend: {backend!r} {reason}; set training.backend=auto (or reference)")
 
 
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Transformers' activation checkpointing (routed to the patch's ``checkpointing`` mode), under its
+    current name: ``activation_checkpointing_enable``, which deprecates ``gradient_checkpointing_enable``
+    (the only name of older releases)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
                 offload: Any = None) -> torch.nn.Module:
     """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
@@ -138,7 +176,7 @@ def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
                                     offload_checkpoints=offload,
                                     tiled_mlp=cfg.training.tiled_mlp)
     if ckpt != "none":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
     return model

@@ -27,6 +27,7 @@ class TrainState:
         self.tokens = 0  # tokens trained on, all data-parallel groups together
         self.schedule_steps: int | None = None  # the step count the learning-rate schedule spans
         self.skipped_steps = 0  # steps whose update was skipped (non-finite, training.on_nonfinite=skip)
+        self.data_fingerprint: str | None = None  # of the training data (data.data_fingerprint)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
@@ -69,7 +70,8 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
     if accelerator.is_main_process:
         write_completion_record(tmp, step, {"epoch": state.epoch, "tokens": state.tokens,
                                             "world_size": accelerator.num_processes,
-                                            "schedule_steps": state.schedule_steps}, cfg.saving.checksums)
+                                            "schedule_steps": state.schedule_steps,
+                                            "data_fingerprint": state.data_fingerprint}, cfg.saving.checksums)
         aside = publish(tmp, final)
         if aside is not None:
             logger.warning(f"{final.name} already existed (left by another run); moved to {aside.name}")
@@ -86,23 +88,45 @@ def load_resume_state(accelerator: Any, resume: Path) -> None:
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
 
 
+def check_same_data(saved: str | None, fingerprint: str, resume: Path) -> None:
+    """ConfigError when the training data changed since ``resume`` was saved (``saved``: its data
+    fingerprint, None for a checkpoint without one): the resumed sampler would continue its position in
+    other samples."""
+    if saved is not None and saved != fingerprint:
+        raise ConfigError(
+            f"the training data changed since {resume} was saved (data fingerprint {saved} then, "
+            f"{fingerprint} now: the contents of data.paths or the data settings differ), so resuming would "
+            "not continue where it stopped. Restore that data, or start a new run from the checkpoint's "
+            f"weights with model.path={resume}")
+
+
+def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, step: int, resume: Path) -> bool:
+    """Whether the resumed schedule (``saved`` steps, None: unknown) differs from this run's; ConfigError
+    when it does and ``saving.on_schedule_change`` is ``error``."""
+    if saved is None or saved == total_steps:
+        return False
+    if cfg.saving.on_schedule_change == "error":
+        old_lr = cfg.training.lr * lr_lambda(cfg, saved)(step)
+        new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(step)
+        raise ConfigError(
+            f"saving.on_schedule_change: {resume} was trained with a learning-rate schedule of {saved} "
+            f"steps, this run has {total_steps}; resuming would move the learning rate at step {step} "
+            f"from {old_lr:.3g} to {new_lr:.3g}. Set saving.on_schedule_change=keep (finish the old "
+            "schedule, then hold its final rate) or =rebuild (stretch the schedule to the new length)"
+        )
+    return True
+
+
 def reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int, scheduler: Any,
                        resume: Path) -> None:
     """A resumed run whose step count differs from the checkpoint's: error, or the configured choice."""
     saved = state.schedule_steps
-    if saved is None or saved == total_steps:
+    if not check_schedule(cfg, saved, total_steps, state.step, resume):
         state.schedule_steps = total_steps
         return
     choice = cfg.saving.on_schedule_change
     old_lr = cfg.training.lr * lr_lambda(cfg, saved)(state.step)
     new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(state.step)
-    if choice == "error":
-        raise ConfigError(
-            f"saving.on_schedule_change: {resume} was trained with a learning-rate schedule of {saved} "
-            f"steps, this run has {total_steps}; resuming would move the learning rate at step {state.step} "
-            f"from {old_lr:.3g} to {new_lr:.3g}. Set saving.on_schedule_change=keep (finish the old "
-            "schedule, then hold its final rate) or =rebuild (stretch the schedule to the new length)"
-        )
     if choice == "rebuild":
         state.schedule_steps = total_steps
         logger.info(f"saving.on_schedule_change=rebuild: schedule of {saved} steps rebuilt for "

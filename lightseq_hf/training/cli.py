@@ -10,14 +10,21 @@ rank (one line on every rank: which rank, where, and the planner's advice for th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import NoReturn
 
+import torch.distributed as dist
+
+from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure, one_line, report_failure
 from .config import FinetuneConfig, load_config
 from .errors import ConfigError
+from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1
@@ -97,24 +104,100 @@ def check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume:
             f"{model}; data {cfg.data.type}; output_dir {cfg.output_dir} writable, {start}")
 
 
-def _run_worker(cfg: FinetuneConfig) -> int:
+def _stop_on_signals() -> None:
+    """SIGINT (Ctrl-C) and SIGTERM (kill, timeout, a batch scheduler) stop this worker where it is, as a
+    KeyboardInterrupt; a second signal while it stops changes nothing. Under ``lightseq-finetune --nproc``
+    the worker also stops when the launcher dies."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum, frame):
+        if _stopped_by[0] is None:
+            _stopped_by[0] = signal.Signals(signum)
+            raise KeyboardInterrupt
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, stop)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher and sys.platform == "linux":
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):  # PR_SET_PDEATHSIG = 1
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))
+        if str(os.getppid()) != launcher:  # the launcher died before the request
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+_stopped_by: list[signal.Signals | None] = [None]
+
+
+def _stopped(signum: signal.Signals) -> int:
+    """A worker stopped by a signal: one line from rank 0, none under our launcher (it says it once)."""
+    if LAUNCHER_PID_ENV not in os.environ:
+        _fail(f"stopped by {signum.name} (resume the run with saving.resume_from=latest)", 128 + signum)
+    return 128 + signum
+
+
+def _process_group_failed(e: BaseException) -> str:
+    """What failed when the process group of the environment's WORLD_SIZE could not start."""
+    names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
+    shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
+    reason = one_line(e).rstrip(".")
+    return (f"could not start the process group that the environment describes ({shown}): {reason}. "
+            "Start every rank (lightseq-finetune --nproc N, torchrun or accelerate launch), or unset "
+            "WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run one process.")
+
+
+def _worker_failed(e: BaseException) -> int:
+    """Report a worker's failure (published for its peers first), in one line where it is understood."""
     from ..guard.parity import ParityError
     from .failures import OutOfMemoryStop
-    from .guards import NonFiniteError, PeerFailure
-    from .loop import train
+    from .guards import NonFiniteError
     from .saving import CheckpointError
 
-    try:
-        train(cfg)
-    except ConfigError as e:
+    if _stopped_by[0] is not None or isinstance(e, KeyboardInterrupt):
+        return _stopped(_stopped_by[0] or signal.SIGINT)
+    if not isinstance(e, Exception):
+        raise e
+    started = dist.is_available() and dist.is_initialized()
+    if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
+                                                   or "MASTER_ADDR" in str(e)):
+        return _fail(_process_group_failed(e), EXIT_CONFIG, every_rank=True)
+    if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
+        e = explain_peer_failure(e, "the run")
+    if not isinstance(e, OutOfMemoryStop):  # that one published its line itself
+        report_failure(e)
+    if isinstance(e, ConfigError):
         return _fail(f"config error: {e}", EXIT_CONFIG)
-    except (CheckpointError, NonFiniteError) as e:
+    if isinstance(e, (CheckpointError, NonFiniteError)):
         return _fail(f"stopped: {e}", EXIT_FAILED)
-    except ParityError as e:
+    if isinstance(e, ParityError):
         return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
                      EXIT_FAILED, every_rank=True)
-    except (PeerFailure, OutOfMemoryStop) as e:
+    if isinstance(e, PeerFailure) and e.reason.startswith(f"rank 0 failed: {ConfigError.__name__}:"):
+        return EXIT_CONFIG  # rank 0 printed the configuration problem
+    if isinstance(e, (PeerFailure, OutOfMemoryStop)):
         return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
+    if isinstance(e, (ValueError, OSError)):  # the library's refusals, and the system's (disk, files)
+        return _fail(f"rank {os.environ.get('RANK', '0')} stopped: {one_line(e)}", EXIT_FAILED,
+                     every_rank=True)
+    raise e  # anything else is a fault of the program: its traceback follows
+
+
+def _run_worker(cfg: FinetuneConfig) -> int:
+    from .loop import train
+
+    _stopped_by[0] = None
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: h for s in STOP_SIGNALS if (h := signal.getsignal(s)) is not None} if main_thread else {}
+    try:
+        _stop_on_signals()
+        train(cfg)
+    except BaseException as e:  # noqa: BLE001 - every failure is reported (peers read it), then mapped
+        return _worker_failed(e)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     return 0
 
 
@@ -163,7 +246,16 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
     if args.check:
-        print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}", flush=True)
+        from .preflight import preflight
+
+        try:
+            done = preflight(cfg, world, resume)
+        except ConfigError as e:
+            return _fail(f"config error: {e}", EXIT_CONFIG)
+        except RuntimeError as e:  # CheckpointError
+            return _fail(str(e), EXIT_FAILED)
+        print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
+              flush=True)
         return 0
     if args.nproc:
         from .launch import launch

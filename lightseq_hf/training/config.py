@@ -63,6 +63,8 @@ Seed = _number(int, ge=0, lt=2**32)  # numpy's seeds are 32-bit
 MAX_TIMEOUT_S = 30 * 24 * 3600
 StrList = Annotated[list[str], BeforeValidator(_as_list)]
 
+#: top-level keys starting with this are ignored (anchors for YAML merge keys, ``<<: *name``)
+EXTENSION_PREFIX = "x-"
 RESUME_LATEST = "latest"  # newest complete checkpoint in output_dir; an error when there is none
 RESUME_LATEST_OR_FRESH = "latest_or_fresh"  # ... or start from step 0 when there is none
 
@@ -293,7 +295,8 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, base_dir: s
     """
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
-    data = copy.deepcopy(data or {})
+    data = {k: v for k, v in copy.deepcopy(data or {}).items()  # x-...: a place for YAML anchors
+            if not (isinstance(k, str) and k.startswith(EXTENSION_PREFIX))}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(data, key, value)
     try:
@@ -310,6 +313,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys, then this mapping's win
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
@@ -355,6 +360,7 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     """Checks the schema cannot make alone (several keys, the world size, paths, the architecture);
     raise ConfigError naming the key. Relative paths are resolved in place."""
     base = Path(base_dir) if base_dir is not None else None
+    cfg.output_dir = os.path.expanduser(cfg.output_dir)
     _validate_layout(cfg, world_size)
     vocab = _validate_model(cfg, base)
     _check_input_memory(cfg)

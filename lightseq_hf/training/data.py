@@ -8,6 +8,9 @@ sequence-parallel ranks of a group, which share ``dp_rank``, draw identical indi
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -85,11 +88,17 @@ def load_raw_dataset(data_cfg: Any) -> Any:
     """Load documents with `datasets`: local files (data.type files) or a hub name (data.type hub)."""
     import datasets
 
-    if data_cfg.type == "files":
-        builder = detect_format(data_cfg.paths, data_cfg.format)
-        ds = datasets.load_dataset(builder, data_files=list(data_cfg.paths), split="train")
-    else:
-        ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=data_cfg.split)
+    try:
+        with _quiet_datasets():
+            if data_cfg.type == "files":
+                builder = detect_format(data_cfg.paths, data_cfg.format)
+                ds = datasets.load_dataset(builder, data_files=list(data_cfg.paths), split="train")
+            else:
+                ds = datasets.load_dataset(data_cfg.name, data_cfg.subset, split=data_cfg.split)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - `datasets` wraps the reader's error (encoding, syntax, network)
+        raise ConfigError(unreadable_data(data_cfg, e)) from e
     if data_cfg.text_field not in ds.column_names:
         raise ConfigError(
             f"data.text_field: column {data_cfg.text_field!r} not in the data (columns: "
@@ -98,6 +107,52 @@ def load_raw_dataset(data_cfg: Any) -> Any:
     if data_cfg.max_documents is not None:
         ds = ds.select(range(min(data_cfg.max_documents, len(ds))))
     return ds
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """`datasets` without its progress bars and its own log lines (a failure is reported in one line)."""
+    import datasets
+
+    bars = datasets.utils.are_progress_bars_disabled()
+    level = datasets.logging.get_verbosity()
+    datasets.utils.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
+            datasets.utils.enable_progress_bars()
+
+
+def unreadable_data(data_cfg: Any, error: BaseException) -> str:
+    """One line for data that `datasets` could not read: what, the reader's reason, and the fix."""
+    cause = error
+    while cause.__cause__ is not None and not isinstance(cause, UnicodeDecodeError):
+        cause = cause.__cause__
+    what = (f"data.paths {', '.join(map(str, data_cfg.paths[:3]))}" if data_cfg.type == "files"
+            else f"data.name {data_cfg.name}")
+    reason = " ".join(str(cause).split())[:300] or type(cause).__name__
+    if isinstance(cause, UnicodeDecodeError):
+        return (f"{what}: not UTF-8 text ({reason}); convert the file to UTF-8, e.g. "
+                "iconv -f latin1 -t utf-8 FILE > FILE.utf8")
+    return f"{what}: could not be read ({type(cause).__name__}: {reason}); fix or remove the malformed record"
+
+
+def data_fingerprint(cfg: Any) -> str:
+    """A digest of what the training samples are made of: the data settings that shape them, the context
+    length and, for local files, their bytes (not their paths: a moved copy is the same data)."""
+    from .saving import file_sha256
+
+    settings = cfg.data.model_dump(exclude={"paths", "num_proc", "synthetic"})
+    if cfg.data.type == "synthetic":
+        settings["synthetic"] = cfg.data.synthetic.model_dump(exclude={"eval_samples"})
+    h = hashlib.sha256(json.dumps([settings, cfg.context_length], sort_keys=True, default=str).encode())
+    if cfg.data.type == "files":
+        for path in cfg.data.paths:
+            h.update(file_sha256(Path(path)).encode())
+    return h.hexdigest()[:16]
 
 
 def pack_token_lists(docs: Iterable[Sequence[int]], context_length: int, eos_id: int | None = None,
@@ -283,9 +338,15 @@ def build_train_dataset(cfg: Any, tokenizer: Any = None, main_process_first: Cal
         from .synthetic import PasskeyDataset
 
         return PasskeyDataset(passkey_spec(cfg, vocab_size=vocab_size), cfg.data.synthetic.num_samples)
-    if tokenizer is None:
-        raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
+    require_tokenizer(tokenizer)
     return build_text_dataset(cfg, tokenizer, main_process_first)
+
+
+def require_tokenizer(tokenizer: Any) -> None:
+    """ConfigError for text data without a tokenizer (model.path holds none, and none is named)."""
+    if tokenizer is None:
+        raise ConfigError("tokenizer: text data needs a tokenizer, and model.path holds none: set tokenizer "
+                          "to a tokenizer directory or name, or to 'bytes'")
 
 
 def passkey_spec(cfg: Any, seed: int | None = None, vocab_size: int | None = None) -> Any:

@@ -6,12 +6,14 @@
 * :class:`OutOfMemoryStop`: the step ran out of memory on this rank; its message is the one line the
   fine-tune prints (:func:`out_of_memory_line`: the rank, the phase, the allocator's numbers, then the
   planner's advice for this machine).
-* :class:`FailureBoard`: notices in the process group's store. The rank that fails publishes its line and
-  waits, a few seconds at most, until every peer has read it (a store that this rank hosts must outlive
-  the reading). :class:`PeerWatch`, a thread on every rank, reads the notices of the others: a rank that
-  has not failed itself prints ``stopped on rank R: <the notice>`` as its one line and ends its process
-  at once, whatever its main thread is blocked in (a collective waiting for the failed rank would
-  otherwise wait for ``training.timeout_s``, or end with a backend traceback).
+* :class:`FailureBoard`: notices in the process group's store (the keys of
+  :mod:`lightseq_hf.parallel.failures`, which the library's own failure reports use). The rank that fails
+  (out of memory, or any error of a training step, a save or an evaluation: :func:`tell_peers`)
+  publishes its line and waits, a few seconds at most, until every peer has read it (a store that this
+  rank hosts must outlive the reading). :class:`PeerWatch`, a thread on every rank, reads the notices of
+  the others: a rank that has not failed itself prints ``stopped on rank R: <the notice>`` as its one
+  line and ends its process at once, whatever its main thread is blocked in (a collective waiting for
+  the failed rank would otherwise wait for ``training.timeout_s``, or end with a backend traceback).
 
 Every rank of a run that stops this way exits with status 1 (:data:`EXIT_STOPPED`), the status of a run
 that stopped on a failure, each with one line.
@@ -29,10 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from ..parallel.failures import PeerFailure, failure_line, is_comm_failure, publish_notice, read_notices
 
 EXIT_STOPPED = 1
 PREFIX = "lightseq-finetune: "  # the fine-tune's one-line reports (cli._fail) start so
-_NOTICE, _COUNT, _READ = "lightseq_failure/notice/", "lightseq_failure/count", "lightseq_failure/read/"
+_READ = "lightseq_failure/read/"
 _LINGER_S = 1.0  # a peer's exit after reading a notice waits this long: the failed rank prints first
 
 
@@ -102,8 +107,7 @@ class FailureBoard:
     def publish(self, line: str) -> None:
         """Tell every other rank that this one failed, with ``line``."""
         self.published = True
-        self._main.set(f"{_NOTICE}{self.rank}", line)
-        self._main.add(_COUNT, 1)
+        publish_notice(self._main, self.rank, line)
 
     def wait_read(self, timeout_s: float = 10.0) -> bool:
         """Wait until every other rank has read this rank's notice (False after ``timeout_s``)."""
@@ -119,14 +123,7 @@ class FailureBoard:
 
     def notices(self) -> dict[int, str]:
         """The other ranks' notices, by rank."""
-        if self._watch.add(_COUNT, 0) == 0:
-            return {}
-        found = {}
-        for r in range(self.world):
-            key = f"{_NOTICE}{r}"
-            if r != self.rank and self._watch.check([key]):
-                found[r] = self._watch.get(key).decode()
-        return found
+        return read_notices(self._watch, self.rank, self.world)
 
     def mark_read(self, rank: int) -> None:
         self._watch.add(f"{_READ}{rank}", 1)
@@ -180,6 +177,19 @@ class PeerWatch(threading.Thread):
             self.join(timeout=5)
 
 
+def tell_peers(board: FailureBoard | None, exc: BaseException) -> None:
+    """Publish the failure ``exc`` of this rank (unless it is an effect of another rank's, or already told)
+    and wait until the peers have read it: their watch ends them with a line naming this rank first."""
+    if board is None or board.published or isinstance(exc, (PeerFailure, OutOfMemoryStop)) \
+            or is_comm_failure(exc):
+        return
+    try:
+        board.publish(failure_line(exc, board.rank))
+        board.wait_read()
+    except Exception:  # noqa: BLE001 - the store failed: this rank's own line still ends the run
+        pass
+
+
 def stop_for_out_of_memory(board: FailureBoard | None, line: str) -> OutOfMemoryStop:
     """Publish ``line`` for the other ranks and wait until they have read it; the exception to raise."""
     if board is not None:
@@ -189,3 +199,25 @@ def stop_for_out_of_memory(board: FailureBoard | None, line: str) -> OutOfMemory
         except Exception:  # the store failed: this rank's own line still ends the run
             pass
     return OutOfMemoryStop(line)
+
+
+def main_decides(accelerator: Any, fn: Any) -> Any:
+    """Run ``fn`` on the main process and hand its result, or its ConfigError/CheckpointError, to every
+    rank (so that all ranks stop together, with the same message): a failure every rank learns of."""
+    result: list[Any] = [None, None]
+    if accelerator.is_main_process:
+        try:
+            result = [fn(), None]
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
+            result = [None, (type(e).__name__, str(e))]
+    if accelerator.num_processes > 1:
+        device = accelerator.device if dist.get_backend() == "nccl" else None
+        dist.broadcast_object_list(result, src=0, device=device)
+    if result[1] is not None:
+        kind, msg = result[1]
+        from .errors import ConfigError
+        from .saving import CheckpointError
+
+        known = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}
+        raise known[kind](msg) if kind in known else RuntimeError(f"{kind}: {msg}")
+    return result[0]

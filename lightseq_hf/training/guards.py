@@ -1,9 +1,11 @@
 """Run guards: non-finite values and peers that stop answering.
 
-* :class:`NonFiniteError` stops a run whose loss or gradient norm is NaN/Inf, naming the step.
+* :class:`NonFiniteError` stops a run whose loss or gradient norm is NaN/Inf, naming the step;
+  :func:`check_every_parameter_has_a_gradient` one whose wrapping left trainable parameters out.
 * :class:`Progress` records what each rank is doing (in the process group's key-value store), so a
-  rank whose collective times out can say which operation it was in and where each peer last was;
-  :meth:`Progress.explain` turns the raw backend error into :class:`PeerFailure`.
+  rank whose collective fails can say which operation it was in, and which rank failed and why
+  (:mod:`lightseq_hf.parallel.failures`) or where each peer last was; :meth:`Progress.explain` turns the
+  raw backend error into :class:`PeerFailure`.
 """
 
 from __future__ import annotations
@@ -14,27 +16,16 @@ import json
 import time
 from collections.abc import Iterator
 
-import torch.distributed as dist
+import torch
+
+from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure
+
+__all__ = ["NonFiniteError", "PeerFailure", "Progress", "check_every_parameter_has_a_gradient",
+           "is_comm_failure"]
 
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm of a step is NaN or Inf."""
-
-
-class PeerFailure(RuntimeError):
-    """A collective did not complete: a peer rank is frozen, gone, or not calling the same operation."""
-
-
-_COMM_HINTS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe",
-               "socket", "gloo", "nccl", "peer", "recv", "send")
-
-
-def is_comm_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` came from a collective or point-to-point transfer that could not complete."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_HINTS)
 
 
 class Progress:
@@ -97,9 +88,19 @@ class Progress:
         return "; ".join(notes)
 
     def explain(self, exc: BaseException) -> PeerFailure:
-        reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-        return PeerFailure(
-            f"rank {self.rank}: '{self.operation}' at step {self.step} could not complete: a peer did not "
-            f"answer within training.timeout_s={self.timeout_s:g} s or left ({self.peers()}). Backend "
-            f"said: {reason}"
+        """The one-line PeerFailure for a failed collective of the current operation: the rank that failed
+        and its reason when it published one, else where every peer last was."""
+        return explain_peer_failure(
+            exc, f"'{self.operation}' at step {self.step}",
+            f"a peer did not answer within training.timeout_s={self.timeout_s:g} s or left ({self.peers()})")
+
+
+def check_every_parameter_has_a_gradient(model: torch.nn.Module) -> None:
+    """Raise if a trainable parameter got no gradient from the first step: it would silently never train."""
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise RuntimeError(
+            f"{len(missing)} trainable parameters received no gradient in the first step ({shown}); they "
+            "would never train. Freeze them (requires_grad=False) or report this with the wrapping used."
         )

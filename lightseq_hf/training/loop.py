@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import metrics
 from .build import (
@@ -29,18 +28,27 @@ from .build import (
     build_model_or_explain,
     build_optimizer,
     check_tokenizer_fits,
+    count_steps,
     offload_setting,
     rank_memory_budget,
     run_sharding,
     use_fsdp_cpu_offload,
 )
-from .checkpoints import TrainState, load_resume_state, reconcile_schedule, save_checkpoint
+from .checkpoints import TrainState, check_same_data, load_resume_state, reconcile_schedule, save_checkpoint
 from .config import FinetuneConfig, validate
-from .data import ParallelSampler, build_train_dataset, collate, load_tokenizer
+from .data import ParallelSampler, build_train_dataset, collate, data_fingerprint, load_tokenizer
 from .errors import ConfigError
 from .evaluation import evaluate_passkey
-from .failures import FailureBoard, PeerWatch, is_out_of_memory, out_of_memory_line, stop_for_out_of_memory
-from .guards import NonFiniteError, Progress
+from .failures import (
+    FailureBoard,
+    PeerWatch,
+    is_out_of_memory,
+    main_decides,
+    out_of_memory_line,
+    stop_for_out_of_memory,
+    tell_peers,
+)
+from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradient
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
 from .planning import memory_advice
@@ -63,46 +71,18 @@ def _finite(x: float | None) -> bool:
     return x is None or math.isfinite(x)
 
 
-def check_every_parameter_has_a_gradient(model: torch.nn.Module) -> None:
-    """Raise if a trainable parameter got no gradient from the first step: it would silently never train."""
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise RuntimeError(
-            f"{len(missing)} trainable parameters received no gradient in the first step ({shown}); they "
-            "would never train. Freeze them (requires_grad=False) or report this with the wrapping used."
-        )
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def _main_decides(accelerator: Any, fn: Any) -> Any:
-    """Run ``fn`` on the main process and hand its result, or its ConfigError/CheckpointError, to every
-    rank (so that all ranks stop together, with the same message)."""
-    result: list[Any] = [None, None]
-    if accelerator.is_main_process:
-        try:
-            result = [fn(), None]
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
-            result = [None, (type(e).__name__, str(e))]
-    if accelerator.num_processes > 1:
-        device = accelerator.device if dist.get_backend() == "nccl" else None
-        dist.broadcast_object_list(result, src=0, device=device)
-    if result[1] is not None:
-        kind, msg = result[1]
-        known = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}
-        raise known[kind](msg) if kind in known else RuntimeError(f"{kind}: {msg}")
-    return result[0]
-
-
-def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None]:
-    """Main process: the checkpoint to resume from and its step (see prepare_output_dir)."""
+def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None, str]:
+    """Main process: the checkpoint to resume from, its step (see prepare_output_dir) and the training data's
+    fingerprint."""
     resume = prepare_output_dir(cfg)
-    return resume, (read_completion_record(resume)["step"] if resume is not None else None)
+    step = read_completion_record(resume)["step"] if resume is not None else None
+    return resume, step, data_fingerprint(cfg)
 
 
 class Trainer:
@@ -145,7 +125,8 @@ class Trainer:
         cfg, t = self.cfg, self.t
         with self.progress.phase("set-up", 0):
             self.groups = init_sequence_parallel(cfg.sp_size or self.world, timeout=self.timeout)
-            self.resume, self.resume_step = _main_decides(self.accelerator, lambda: _resume_point(cfg))
+            self.resume, self.resume_step, self.data_fingerprint = main_decides(
+                self.accelerator, lambda: _resume_point(cfg))
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
         model = build_model_or_explain(cfg, self.device)
         self.vocab_size = model.config.vocab_size
@@ -156,13 +137,7 @@ class Trainer:
                                            vocab_size=self.vocab_size)
         g = self.groups
         self.sampler = ParallelSampler(len(self.dataset), g.dp_size, g.dp_rank, shuffle=True, seed=t.seed)
-        if t.batch_size > self.sampler.per_group:
-            raise ConfigError(
-                f"training.batch_size {t.batch_size} exceeds the {self.sampler.per_group} samples each of "
-                f"the {g.dp_size} data-parallel groups has; lower training.batch_size or add data")
-        micro_per_epoch = math.ceil(self.sampler.per_group / t.batch_size)
-        steps_per_epoch = math.ceil(micro_per_epoch / t.grad_accum)
-        self.total_steps = t.max_steps if t.max_steps is not None else steps_per_epoch * t.epochs
+        self.total_steps = count_steps(cfg, len(self.dataset), g.dp_size)
 
     def _prepare_training(self) -> None:
         """Optimizer and schedule, accelerate's wrapping, the resumed state, metrics and FLOP counts.
@@ -180,6 +155,8 @@ class Trainer:
         if self.resume is not None:
             with self.progress.phase(f"loading {self.resume.name}", 0):
                 load_resume_state(acc, self.resume)
+            check_same_data(self.state.data_fingerprint, self.data_fingerprint, self.resume)
+            self.state.data_fingerprint = self.data_fingerprint
             reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume)
             if self.is_main:
                 s = self.state
@@ -187,7 +164,7 @@ class Trainer:
                             "trained; weights, optimizer, scheduler and RNG states loaded"
                             + (" (checksums verified)" if cfg.saving.checksums else ""))
         else:
-            self.state.schedule_steps = self.total_steps
+            self.state.schedule_steps, self.state.data_fingerprint = self.total_steps, self.data_fingerprint
         self.writer = MetricsWriter(self.out_dir / cfg.logging.metrics_file if self.is_main else None,
                                     self.state.step if self.resume is not None else None)
         g = self.groups
@@ -374,10 +351,16 @@ class Trainer:
         return res
 
     def save(self) -> Path:
-        """``checkpoint-<step>/`` (see save_checkpoint)."""
+        """``checkpoint-<step>/`` (see save_checkpoint); a failed write (a full disk) is a CheckpointError."""
         with self.progress.phase("checkpoint save", self.state.step):
-            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
-                                   self.out_dir)
+            try:
+                return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
+                                       self.out_dir)
+            except OSError as e:
+                raise CheckpointError(
+                    f"writing checkpoint-{self.state.step} in {self.out_dir} failed ({type(e).__name__}: "
+                    f"{e}); the checkpoints saved before are intact. Free space there, or save less "
+                    "(saving.every, saving.save_optimizer=false)") from e
 
     def _after_step(self) -> None:
         step, cfg = self.state.step, self.cfg
@@ -427,11 +410,15 @@ class Trainer:
         self.t_start = time.perf_counter()
         self.model.train()
         self.start_step = self.state.step
-        self._train_all_steps()
-        self.bar.close()
-        if self.cfg.data.type == "synthetic" and self.cfg.data.synthetic.eval_samples:
-            self.evaluate()
-        ckpt = self.save() if self.cfg.saving.final else None
+        try:
+            self._train_all_steps()
+            self.bar.close()
+            if self.cfg.data.type == "synthetic" and self.cfg.data.synthetic.eval_samples:
+                self.evaluate()
+            ckpt = self.save() if self.cfg.saving.final else None
+        except Exception as e:
+            tell_peers(self.failures, e)  # their watch ends them, naming this rank
+            raise
         return self.finish(ckpt)
 
     # ------------------------------------------------------------------ the end

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -61,6 +62,39 @@ def check_writable(out_dir: Path, dry_run: bool) -> None:
     except OSError as e:
         raise ConfigError(f"output_dir: cannot write to {out_dir} ({e.strerror or e}); choose a writable "
                           "directory") from None
+
+
+LOCK_FILE = ".lightseq-run.lock"
+_held_locks: dict[Path, int] = {}
+
+
+def lock_output_dir(out_dir: Path, dry_run: bool) -> None:
+    """One run at a time in ``out_dir``: an exclusive lock on its lock file, held until this process ends
+    (the system releases it then, after a crash too). ConfigError, naming the holder, when another process
+    holds it; ``dry_run`` only tests it."""
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks on this platform
+        return
+    key = out_dir.resolve()
+    path = out_dir / LOCK_FILE
+    if key in _held_locks or (dry_run and not path.exists()):
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 300).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(f"output_dir {out_dir} is in use by a run that has not ended ({holder}); wait for "
+                          "it or stop it, or choose another output_dir") from None
+    if dry_run:
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"process {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
+             .encode())
+    _held_locks[key] = fd
 
 
 def _find_resume(cfg: FinetuneConfig, out_dir: Path, dry_run: bool) -> Path | None:
@@ -121,7 +155,8 @@ def _same_dir(a: Path, b: Path) -> bool:
 
 
 def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | None:
-    """Check ``output_dir`` is writable, pick the checkpoint to resume from, protect a previous run.
+    """Check ``output_dir`` is writable and no other run is using it (and lock it for this one), pick the
+    checkpoint to resume from, protect a previous run.
 
     Returns the checkpoint directory to load (verified complete and intact) or None for a fresh
     start. A checkpoint outside ``output_dir`` (another run's) is refused unless
@@ -131,6 +166,7 @@ def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | Non
     """
     out_dir = Path(cfg.output_dir)
     check_writable(out_dir, dry_run)
+    lock_output_dir(out_dir, dry_run)
     resume = _find_resume(cfg, out_dir, dry_run)
     if resume is not None and not (resume / "state").is_dir():
         raise CheckpointError(
@@ -159,6 +195,8 @@ class MetricsWriter:
 
     def __init__(self, path: Path | None, keep_until_step: int | None) -> None:
         self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)  # logging.metrics_file may name a subdirectory
         if path is None or not path.exists():
             return
         lines = [line for line in path.read_text().splitlines() if line.strip()]
