@@ -242,8 +242,9 @@ def test_the_emulated_defect_is_real_without_the_parts(monkeypatch):
 
 def test_the_call_layout_the_op_receives(monkeypatch):
     """A diagonal task whose rows start inside their documents, GQA 4/2: per-task cu_seqlens on the query and
-    key sides, causal aligned bottom-right, key/value heads as they are, sequences padded to a bucket with
-    empty ones, one longest length for both sides; the backward's tensors padded to a token bucket."""
+    key sides, causal blocks square with the op's default (top-left) alignment and the keys before the first
+    row in an unmasked second call, key/value heads as they are, sequences padded to a bucket with empty
+    ones, one longest length for both sides; the backward's tensors padded to a token bucket."""
     emu = install(monkeypatch.setattr)
     seg = Segments(64, (((0, 10), (10, 40), (40, 44), (44, 64)),))
     task = SpanTask(0, 0, 20, 50, 0, diagonal=True)  # rows 20..49 of a 64-token chunk
@@ -255,20 +256,22 @@ def test_the_call_layout_the_op_receives(monkeypatch):
     kernel = cudnn_fe.CudnnFeKernel()
     out, lse = kernel.forward(q, k[:, :50], v[:, :50], causal=False, scale=0.25, doc_blocks=blocks)
     kernel.backward(dout, q, k, v, out, lse, causal=False, scale=0.25, doc_blocks=blocks)
-    fwd, bwd = emu.calls
-    assert fwd["q_lens"] == (20, 4, 6, 0) and fwd["k_lens"] == (30, 4, 6, 0)  # 3 documents padded to 4
-    assert fwd["causal"] and fwd["bottom_right"] and fwd["max_q"] == fwd["max_k"] == 128
-    assert (fwd["heads"], fwd["kv_heads"]) == (4, 2) and (fwd["rows"], fwd["keys"]) == (30, 40)
-    assert bwd["q_lens"] == fwd["q_lens"] and bwd["k_lens"] == fwd["k_lens"] and bwd["bottom_right"]
+    fwd, fwd_prefix, bwd, bwd_prefix = emu.calls
+    assert fwd["q_lens"] == (20, 4, 6, 0) and fwd["k_lens"] == (20, 4, 6, 0)  # 3 documents padded to 4
+    assert fwd["causal"] and not fwd["bottom_right"] and fwd["max_q"] == fwd["max_k"] == 128
+    assert (fwd["heads"], fwd["kv_heads"]) == (4, 2) and (fwd["rows"], fwd["keys"]) == (30, 30)
+    assert fwd_prefix["q_lens"] == (20,) and fwd_prefix["k_lens"] == (10,) and not fwd_prefix["causal"]
+    assert bwd["q_lens"] == fwd["q_lens"] and bwd["k_lens"] == fwd["k_lens"] and not bwd["bottom_right"]
     assert (bwd["rows"], bwd["keys"]) == (128, 128)  # the token bucket, query and key sides alike
-    assert cudnn_fe.graph_stats() == {"graphs": 2, "shapes": 2}
+    assert bwd_prefix["q_lens"] == (20,) and bwd_prefix["k_lens"] == (10,)
+    assert cudnn_fe.graph_stats() == {"graphs": 4, "shapes": 4}
     # the same layout again, and another one with the same buckets: no new graph
     other = task_doc_blocks(seg, SpanTask(0, 0, 0, 40, 0, diagonal=True), 64, True, "cpu")
     for b in (blocks, other):
         qq = q if b is blocks else torch.randn(1, 40, 4, 16, dtype=torch.float64)
         o, s = kernel.forward(qq, k, v, causal=False, scale=0.25, doc_blocks=b)
         kernel.backward(torch.ones_like(qq), qq, k, v, o, s, causal=False, scale=0.25, doc_blocks=b)
-    assert emu.builds == 2 and cudnn_fe.graph_stats()["graphs"] == 2
+    assert emu.builds == 4 and cudnn_fe.graph_stats()["graphs"] == 4
 
 
 def test_plain_rows_and_more_queries_than_keys(monkeypatch):
@@ -285,8 +288,14 @@ def test_plain_rows_and_more_queries_than_keys(monkeypatch):
         for x, w in zip(kernel.backward(dout, q, k, v, *got, causal=causal, scale=0.5),
                         ref.backward(dout, q, k, v, *want, causal=causal, scale=0.5)):
             assert rel_err(x, w) < 1e-12
-        fed = [c["q_lens"][:2] for c in emu.calls]
-        assert fed == [(min(lq, lk),) * 2] * 2 if causal else [(lq, lq)] * 2  # rows without keys not fed
+        fed = [(c["q_lens"][:2], c["k_lens"][:2], c["causal"]) for c in emu.calls]
+        if not causal:
+            assert fed == [((lq, lq), (lk, lk), False)] * 2
+        elif lq >= lk:  # rows without keys not fed: square blocks
+            assert fed == [((lk, lk), (lk, lk), True)] * 2
+        else:  # rows starting inside the row's keys: the square causal part, then the keys before it
+            assert fed == [((lq, lq), (lq, lq), True), ((lq, lq), (lk - lq,) * 2, False)] * 2
+        assert not any(c["bottom_right"] for c in emu.calls)
 
 
 def test_refusals_name_the_problem_in_one_line(monkeypatch):

@@ -4,6 +4,11 @@ once per layout (a :class:`DocBlocks`), and the graph shapes the op is asked for
 - :func:`fed_blocks`: a causal block with more query rows than keys (bottom-right aligned) has first rows
   that see no key; they are not fed (they keep out 0 and lse ``-inf``, and get no gradient), so the op
   never computes a row without a key.
+- :func:`aligned_calls`: the op's backward with ``causal_bottom_right`` runs 1.7x slower than with its
+  default top-left alignment (cuDNN 9.19 on an H100, 64K tokens in 9 documents: 46.6 against 27.3 ms
+  forward+backward; the forward is the same), and the two agree on square blocks. A causal ``m x n`` block
+  with ``n > m`` (rows that start inside their document) is computed as its last ``m`` keys under the
+  causal mask and its first ``n - m`` keys, which every row sees, in a second call without a mask.
 - :func:`backward_plan`: cuDNN before 9.26 can return NaN in dQ on Hopper when a sequence's key length is
   64 mod 128 and a row's lse is below -88.7. Where that can happen (:func:`key_length_hazard`, every GPU
   to be safe), a block with such a key length ``n`` goes to the op without its first key (``n - 1`` keys;
@@ -30,8 +35,8 @@ import torch
 
 from .base import DocBlocks, Rows
 
-__all__ = ["GraphShape", "GraphShapes", "KeyPairs", "backward_plan", "bucket", "fed_blocks",
-           "key_length_hazard", "padded_cu_seqlens"]
+__all__ = ["GraphShape", "GraphShapes", "KeyPairs", "aligned_calls", "backward_plan", "bucket", "fed_blocks",
+           "key_length_hazard", "needs_bottom_right", "padded_cu_seqlens"]
 
 #: cuDNN versions (``major * 10000 + minor * 100 + patch``) whose backward can return NaN dQ for key lengths
 #: 64 mod 128 (fixed in 9.26)
@@ -136,6 +141,27 @@ def fed_blocks(blocks: DocBlocks) -> DocBlocks:
         else:
             plans["fed"] = blocks
     return plans["fed"]
+
+
+def aligned_calls(blocks: DocBlocks) -> tuple[DocBlocks, ...]:
+    """The op calls computing ``blocks`` (already :func:`fed_blocks`) with square causal blocks only (see the
+    module docstring): ``(blocks,)``, or the causal square parts and the unmasked key prefixes; their
+    results merge by lse and their gradients add. Cached."""
+    plans = _plans.setdefault(blocks, {})
+    if "aligned" not in plans:
+        parts = _parts(blocks)
+        if not needs_bottom_right(blocks) or any(m > n for _, m, _, n in parts):
+            plans["aligned"] = (blocks,)
+        else:
+            square = [(qa, m, ka + n - m, m) for qa, m, ka, n in parts]
+            prefix = [(qa, m, ka, n - m) for qa, m, ka, n in parts if n > m]
+            plans["aligned"] = (_sub_blocks(blocks, square, True), _sub_blocks(blocks, prefix, False))
+    return plans["aligned"]
+
+
+def needs_bottom_right(blocks: DocBlocks) -> bool:
+    """Whether the causal rule of ``blocks`` differs between bottom-right and top-left alignment."""
+    return blocks.causal and any(m != n for m, n in zip(blocks.q_lens, blocks.k_lens))
 
 
 @dataclass(frozen=True, eq=False)
