@@ -145,8 +145,9 @@ def test_runner_start_poll_on_two_cpu_processes(tmp_path):
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # bench_train sets its default
         env.pop(name, None)
+    # 1.5 GiB of the budget is what the planner puts beside the allocator (CUDA context, NCCL buffers)
     common = ["--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--models", "tiny",
-              "--gpu-gib", "0.01", "--host-gib", "1", "--unit", "512", "--tile", "256", "--max-rungs", "2",
+              "--gpu-gib", "1.6", "--host-gib", "1", "--unit", "512", "--tile", "256", "--max-rungs", "2",
               "--budget-min", "60",
               "--ours-variants", "remat+offloadauto+tiled,hf+offloadauto+tiled"]
     script = [sys.executable, str(ROOT / "scripts" / "maxctx_ladder.py")]
@@ -200,7 +201,7 @@ def test_a_rung_that_fails_or_runs_out_of_time_is_a_row(tmp_path, monkeypatch):
     phase), a launch killed at its time limit, an exit that names out of memory only in its log."""
     runner = _runner()
     args = runner.parse_args(["run", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2",
-                              "--models", "tiny", "--gpu-gib", "0.01", "--host-gib", "1"])
+                              "--models", "tiny", "--gpu-gib", "1.6", "--host-gib", "1"])
     m = runner.machine(args)
     ladder = Ladder("tiny", "ours", "remat+offloadauto+tiled", 4096, 4096, 512)
     est = {"total_s": 1.0, "setup_s": 0.5, "step_s": 0.5}
@@ -233,7 +234,7 @@ def test_a_rank_that_fails_ends_the_rung_at_once(tmp_path):
     each rank writes its own row and the launch ends, no time limit needed."""
     runner = _runner()
     args = runner.parse_args(["run", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2",
-                              "--models", "tiny", "--gpu-gib", "0.01", "--host-gib", "1", "--tile", "0"])
+                              "--models", "tiny", "--gpu-gib", "1.6", "--host-gib", "1", "--tile", "0"])
     ladder = Ladder("tiny", "ours", "remat+tiled", 1024, 1024, 512)
     found = runner.run_rung(args, runner.machine(args), ladder, 1024, {"total_s": 60.0}, limit=240)
     row = found["row"]
@@ -247,7 +248,7 @@ def test_a_rank_that_fails_ends_the_rung_at_once(tmp_path):
 def test_a_second_run_the_same_day_adds_to_the_results(tmp_path):
     runner = _runner()
     args = runner.parse_args(["run", "--out", str(tmp_path), "--device", "cpu", "--gpus", "2",
-                              "--models", "tiny", "--gpu-gib", "0.01", "--host-gib", "1"])
+                              "--models", "tiny", "--gpu-gib", "1.6", "--host-gib", "1"])
     m = runner.machine(args)
     path, rows, ladders = runner.results_file(args, m)
     assert path.name.startswith("maxctx-cpu-x2-") and rows == [] and ladders == {}
