@@ -6,7 +6,8 @@
 #       (tests/gpu/test_finetune_gpu.py), Llama-2-7B at 32K and at 64K through finetune.py, bench_train
 #       at 32K and 64K -> OUT_DIR/finetune-<device>-x2-<date>.json
 #   x4  (4 GPUs): Llama-2-7B at 64K with sp_size 4, bench_train at 64K, the Llama-3-8B-shaped GQA config at
-#       128K and 256K -> OUT_DIR/finetune-<device>-x4-<date>.json
+#       128K and the shipped 256K 4-GPU config (X4_RUNS picks among 7b-64k-sp4 8b-128k 8b-256k)
+#       -> OUT_DIR/finetune-<device>-x4-<date>.json
 #   packed (2 GPUs, needs the datasets package): Llama-2-7B at 64K on packed documents of log-normal lengths
 #       (median 2048 bytes, the bytes tokenizer), once per packed backend (PACKED_BACKENDS, default "triton
 #       cudnn_fe") -> OUT_DIR/finetune-packed-<device>-x2-<date>.json with speedup_vs_triton
@@ -65,23 +66,29 @@ if [[ $part == x2 ]]; then
     --note "2 GPUs; bench_train on GPUs 2-3 of the same host at the same time when 4 were present"
 fi
 if [[ $part == x4 ]]; then
-  finetune 7b-64k-sp4 4 29621 configs/llama2-7b-64k.yaml sp_size=4 training.max_steps=4 training.grad_accum=1
-  bench 29703 --nproc_per_node 4 scripts/bench_train.py --seqs 65536 --variants remat --steps 3 \
-    --tag finetune-ref --out "$out"
-  finetune 8b-128k 4 29622 configs/llama3-8b-128k.yaml sp_size=4 training.max_steps=3 training.grad_accum=1
-  finetune 8b-256k 4 29623 configs/llama3-8b-128k.yaml sp_size=4 context_length=262144 \
-    model.config.max_position_embeddings=262144 training.max_steps=3 training.grad_accum=1
+  # X4_RUNS picks the runs (default all three); the 256K run is the shipped 4-GPU config as it is
+  x4_runs=" ${X4_RUNS:-7b-64k-sp4 8b-128k 8b-256k} "
+  if [[ $x4_runs == *" 7b-64k-sp4 "* ]]; then
+    finetune 7b-64k-sp4 4 29621 configs/llama2-7b-64k.yaml sp_size=4 training.max_steps=4 training.grad_accum=1
+    bench 29703 --nproc_per_node 4 scripts/bench_train.py --seqs 65536 --variants remat --steps 3 \
+      --tag finetune-ref --out "$out"
+  fi
+  [[ $x4_runs == *" 8b-128k "* ]] && finetune 8b-128k 4 29622 configs/llama3-8b-128k.yaml sp_size=4 \
+    training.max_steps=3 training.grad_accum=1
+  [[ $x4_runs == *" 8b-256k "* ]] && finetune 8b-256k 4 29623 configs/llama3-8b-256k-4gpu.yaml training.max_steps=3
   runs=()
   for r in 7b-64k-sp4 8b-128k 8b-256k; do
     [[ -f $out/runs/$r/metrics.jsonl ]] && runs+=(--run "$r" "$out/runs/$r" "$(head -1 "$out/$r.log" 2>/dev/null)")
   done
-  python3 scripts/finetune_report.py --out "$out/finetune-$slug-x4-$date.json" "${runs[@]}" \
-    --bench 7b-64k-sp4 "$out/train-$slug-x4-$date-finetune-ref.json" 65536 remat --note "4 GPUs"
+  ref=$out/train-$slug-x4-$date-finetune-ref.json bench_ref=()
+  [[ -f $ref ]] && bench_ref=(--bench 7b-64k-sp4 "$ref" 65536 remat)
+  python3 scripts/finetune_report.py --out "$out/finetune-$slug-x4-$date.json" "${runs[@]}" "${bench_ref[@]}" \
+    --note "4 GPUs"
 fi
 if [[ $part == packed ]]; then
   python3 -c "import datasets" 2>/dev/null || { echo "part packed reads its documents with the datasets package" \
     "(pip install datasets)" >&2; exit 1; }
-  export CUDA_VISIBLE_DEVICES=0,1
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0,1}  # two GPUs (the caller may pick them)
   docs=$out/packed-docs.jsonl files=files  # the file data exists from here on (written below)
   python3 - "$docs" <<'EOF'
 import json, random, sys
