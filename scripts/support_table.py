@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import support_table as table  # noqa: E402
+import model_table as table  # noqa: E402
 import test_architectures as arch_test  # noqa: E402
 
 

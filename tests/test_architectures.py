@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 from distributed import rel_err, run_distributed
-from support_table import MODELS_PAGE, README, expected_row, parse_rows, refusal_message
+from model_table import MODELS_PAGE, README, expected_row, parse_rows, refusal_message
 from tiny_models import make_tiny
 
 from lightseq_hf.parallel.api import dist_flash_attn
@@ -463,7 +463,7 @@ def test_support_tables():
     ``benchmarks/results/architectures.json`` (the generator's data) has them, and the README its summary;
     the test's own types work within the tolerance, with the memory options the code applies; its refused
     types carry the refusal the code gives now; no row fails."""
-    from support_table import load_results, render, render_summary, table_between_markers
+    from model_table import load_results, render, render_summary, table_between_markers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     page = MODELS_PAGE.read_text()

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from support_table import RESULTS
+from model_table import RESULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 

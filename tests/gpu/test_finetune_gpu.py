@@ -69,5 +69,6 @@ def test_fsdp2_sequence_parallel_matches_one_gpu_and_resumes(tmp_path: Path) -> 
     assert "a checkpoint of another run" in out
     again = _losses(resumed)
     assert sorted(again) == [4, 5, 6]
-    for step in again:
-        assert again[step] == pytest.approx(got[step], rel=2e-3), (step, again, got)
+    for step in again:  # the logged loss is bfloat16: one step of it is up to 2**-7 of its value, and the
+        # GPU's reductions (NCCL, the attention backward) are not bit-deterministic, so allow one step
+        assert again[step] == pytest.approx(got[step], rel=2**-7), (step, again, got)

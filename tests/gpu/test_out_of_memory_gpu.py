@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import torch
 from lightseq_hf.training import cli
+from lightseq_hf.training.log import install_console_handler
+install_console_handler()  # as lightseq-finetune does: the worker's log line on stdout
 cli._start_worker()  # what a worker does before training: torch imported, CUDA untouched
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 snapshot = torch.cuda.memory._snapshot()
