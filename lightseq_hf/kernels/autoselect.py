@@ -77,8 +77,11 @@ TABLE: list[Row] = [
         "benchmarks/results/kernels-h100-2026-11-22.json: cuDNN 1.2-1.6x our Triton kernels, causal rows"),
     Row("sdpa_cudnn", "cuda", "H200", DENSE, HALF,
         "benchmarks/results/dist-h200-x2-2026-11-22.json: single-GPU rows, cuDNN faster than Triton"),
-    # cudnn_fe (cuDNN's variable-length op) for packed rows goes here, above Triton, once a GPU measurement
-    # (scripts/bench_packed_kernels.py, the 100-step stream included) shows it faster
+    Row("cudnn_fe", "cuda", "H100", frozenset({MaskKind.DOCUMENTS}), HALF,
+        "benchmarks/results/packed-kernels-h100-2026-11-26.json: 1.06-1.51x our Triton kernels on every row "
+        "(1.28x at 64K, 1.33x at 128K); its -stream.json, 100 changing rows with graph builds: median step "
+        "32.0 against 43.3 ms; packed-h100-x2-2026-11-26.json: the 64K ring 1.51x Triton's. Taken when "
+        "nvidia-cudnn-frontend is installed"),
     Row("triton", "cuda", evidence="packed rows: benchmarks/results/packed-h200-x2-2026-11-22.json (faster "
         "than flash_varlen on H200); float32 and GPUs not measured: our kernels"),
     Row("sdpa_cudnn", "cuda", masks=DENSE, dtypes=HALF, evidence="no Triton for this head dim or build"),
