@@ -18,17 +18,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 #: (label, results file, context) of each training bar; the step times come from the file's rows.
 TRAIN = [
-    ("64K\n2 GPUs", "train-h200-x2-2026-11-22.json", 65536),
-    ("128K\n2 GPUs", "train-h200-x2-2026-11-22.json", 131072),
-    ("256K\n2 GPUs", "train-h200-x2-2026-11-22.json", 262144),
-    ("128K\n4 GPUs", "train-h200-x4-2026-11-22-128k.json", 131072),
-    ("256K\n4 GPUs", "train-h200-x4-2026-11-22-256k.json", 262144),
+    ("64K\n2 x H200", "train-h200-x2-2026-11-22.json", 65536),
+    ("128K\n2 x H200", "train-h200-x2-2026-11-22.json", 131072),
+    ("128K\n4 x H100", "train-h100-x4-2026-11-26-128k.json", 131072),
 ]
-PACKED = "packed-h200-x2-2026-11-23.json"
+PACKED = "packed-h100-x2-2026-11-26.json"
 #: packed-row implementations shown, in order: (impl, backend or None, label)
 PACKED_IMPLS = [
-    ("packed_ours", "triton", "ours, packed"),
-    ("allgather_varlen", "triton", "all-gather varlen ring\n(same kernel)"),
+    ("packed_ours", "cudnn_fe", "ours, packed (cudnn_fe)"),
+    ("packed_ours", "triton", "ours, packed (Triton)"),
+    ("allgather_varlen", "triton", "all-gather varlen ring\n(Triton)"),
     ("unpacked_ours_sdpa_cudnn", None, "ours, as one sequence"),
     ("torch_cp", None, "torch CP, one sequence"),
 ]
@@ -70,7 +69,7 @@ def plot(out: Path) -> None:
     left.axhline(1.0, color="gray", lw=1, ls="--")
     left.set_ylim(0, max(r for _, r in ratios) * 1.2)
     left.set_ylabel("torch CP step time / ours")
-    left.set_title("Llama-2-7B training step, H200\n(FSDP2 + AdamW, bf16; higher is better)", fontsize=10)
+    left.set_title("Llama-2-7B training step\n(FSDP2 + AdamW, bf16; higher is better)", fontsize=10)
 
     times = packed_times()
     seqs = list(times)
@@ -82,7 +81,7 @@ def plot(out: Path) -> None:
         right.bar_label(bars, labels=[f"{m:.0f}" for m in ms], fontsize=8)
     right.set_xticks(range(len(seqs)), [f"{s // 1024}K-token row" for s in seqs])
     right.set_ylabel("forward+backward, ms")
-    right.set_title("packed documents, 2 x H200, attention only\n(32/8 heads, d 128; lower is better)",
+    right.set_title("packed documents, 2 x H100, attention only\n(32/8 heads, d 128; lower is better)",
                     fontsize=10)
     right.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
