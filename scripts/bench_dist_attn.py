@@ -48,6 +48,7 @@ from benchlib.timing import attention_flops, per_rank, synchronize, timed  # noq
 
 from lightseq_hf._testing.kernel_knobs import cudnn_backward_fell_back  # noqa: E402
 from lightseq_hf.kernels import get_kernel  # noqa: E402
+from lightseq_hf.parallel.dist_attn import TaskMasks  # noqa: E402
 from lightseq_hf.parallel.merge import empty_running  # noqa: E402
 from lightseq_hf.parallel.schedule import Task, build_schedule  # noqa: E402
 
@@ -202,19 +203,20 @@ def make_replay(q, k, v, dout, kernel, tasks: list[Task], with_bwd: bool, scale:
         out, lse = kernel.forward(q, k, v, causal=True, scale=scale)
     rows = [(task, *task.rows(chunk)) for task in tasks]
     lse_rows = [lse[:, :, a:b].contiguous() for _, a, b in rows]
+    masks = TaskMasks()  # plain rows: what the loop hands the kernel per task
     calls = [0, 0]
 
     def run():
         with torch.no_grad():
             for task, a, b in rows:
                 running_out, running_lse = empty_running(q[:, a:b])
-                kernel.forward(q[:, a:b], k, v, causal=task.diagonal, scale=scale, out=running_out,
-                               lse=running_lse)
+                kernel.forward(q[:, a:b], k, v, scale=scale, mask=masks.for_task(task, chunk),
+                               out=running_out, lse=running_lse)
                 calls[0] += 1
             if with_bwd:
                 for (task, a, b), task_lse in zip(rows, lse_rows):
-                    kernel.backward(dout[:, a:b], q[:, a:b], k, v, out[:, a:b], task_lse,
-                                    causal=task.diagonal, scale=scale)
+                    kernel.backward(dout[:, a:b], q[:, a:b], k, v, out[:, a:b], task_lse, scale=scale,
+                                    mask=masks.for_task(task, chunk))
                     calls[1] += 1
     return run, calls
 

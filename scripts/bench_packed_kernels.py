@@ -44,7 +44,7 @@ from benchlib.results import device_name, device_slug, today, version  # noqa: E
 from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops, timed  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402
 
-from lightseq_hf.kernels import cudnn_fe, flash_varlen, kernel_named  # noqa: E402
+from lightseq_hf.kernels import AttentionMask, cudnn_fe, flash_varlen, kernel_named  # noqa: E402
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks  # noqa: E402
 from lightseq_hf.parallel.schedule import SpanTask  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule  # noqa: E402
@@ -94,22 +94,22 @@ def packed_runners(seg, q, k, v, dout, scale, seq, args):
     blocks = task_doc_blocks(seg, SpanTask(0, 0, 0, n, 0, True), n, True, dev)
     runners = {}
 
-    def kernel_pair(name, **mask):
+    def kernel_pair(name, mask: AttentionMask):
         kernel = kernel_named(name)
 
         def run():
-            out, lse = kernel.forward(q, k, v, causal=False, scale=scale, **mask)
-            return out, kernel.backward(dout, q, k, v, out, lse, causal=False, scale=scale, **mask)[0]
+            out, lse = kernel.forward(q, k, v, scale=scale, mask=mask)
+            return out, kernel.backward(dout, q, k, v, out, lse, scale=scale, mask=mask)[0]
         return run
 
     if "triton" in wanted:
-        runners["triton"] = kernel_pair("triton", key_range=local_key_range(
-            *key_ranges(seg, causal=True, device=dev), 0, n))
+        runners["triton"] = kernel_pair("triton", AttentionMask(key_range=local_key_range(
+            *key_ranges(seg, causal=True, device=dev), 0, n)))
     if "flash_varlen" in wanted and flash_varlen.usable(dev):
-        runners["flash_varlen"] = kernel_pair("flash_varlen", doc_blocks=blocks)
+        runners["flash_varlen"] = kernel_pair("flash_varlen", AttentionMask(doc_blocks=blocks))
     if dev.type == "cuda" and cudnn_fe.unavailable_reason() is None and q.shape[-1] <= 128:
         if "cudnn_fe" in wanted:
-            runners["cudnn_fe"] = kernel_pair("cudnn_fe", doc_blocks=blocks)
+            runners["cudnn_fe"] = kernel_pair("cudnn_fe", AttentionMask(doc_blocks=blocks))
         if "cudnn_fe_raw" in wanted:
             runners["cudnn_fe_raw"] = raw_cudnn_fe_runner(seg, q, k, v, dout, scale)
     if "flex" in wanted and seq in args.flex_seqs:
@@ -270,13 +270,14 @@ def stream_step(kernel, seg, tasks, tensors, scale) -> None:
         key_a, key_b = task.keys(chunk)
         keys = slice(task.kv_owner * chunk + key_a, task.kv_owner * chunk + key_b)
         if ranges is None:
-            mask = {"doc_blocks": task_doc_blocks(seg, task, chunk, True, q.device)}
+            mask = AttentionMask(doc_blocks=task_doc_blocks(seg, task, chunk, True, q.device))
         else:
             lo, hi = ranges
-            mask = {"key_range": local_key_range(lo[:, rows], hi[:, rows], keys.start, key_b - key_a)}
+            key_range = local_key_range(lo[:, rows], hi[:, rows], keys.start, key_b - key_a)
+            mask = AttentionMask(key_range=key_range)
         qt, kt, vt, dt = q[:, rows], k[:, keys], v[:, keys], dout[:, rows]
-        out, lse = kernel.forward(qt, kt, vt, causal=False, scale=scale, **mask)
-        kernel.backward(dt, qt, kt, vt, out.to(qt.dtype), lse, causal=False, scale=scale, **mask)
+        out, lse = kernel.forward(qt, kt, vt, scale=scale, mask=mask)
+        kernel.backward(dt, qt, kt, vt, out.to(qt.dtype), lse, scale=scale, mask=mask)
 
 
 def _sync(device: torch.device) -> None:

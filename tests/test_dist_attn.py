@@ -208,13 +208,11 @@ def worker_wire_dtypes(rank, world):
         sent.extend((t.dtype, t.dim()) for _, t in transfers.sends)
         return post(self, transfers)
 
-    comm.PeerComm.post = recording_post
-    try:
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(comm.PeerComm, "post", recording_post)
         q, k, v, dout = make_inputs(7, 1, 16 * world, 4, 2, 16)
         run_attention(q, k, v, dout, rank=rank, world=world, dtype=torch.bfloat16, causal=True,
                       schedule="balanced")
-    finally:
-        comm.PeerComm.post = post
     return sent
 
 

@@ -45,17 +45,8 @@ def worker_packed(rank, world):
 
     os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (the Triton case below)
     import lightseq_hf
-    from lightseq_hf.parallel import comm
     from lightseq_hf.parallel.segments import Segments
 
-    sent = []
-    original_post = comm.PeerComm.post
-
-    def counting_post(self, transfers):
-        sent.extend(t.numel() for _, t in transfers.sends)
-        return original_post(self, transfers)
-
-    comm.PeerComm.post = counting_post
     failures = []
     n_local = 24
     for i, (name, docs, causal, window, dtype, api) in enumerate(doc_cases(world)):
@@ -102,36 +93,7 @@ def worker_packed(rank, world):
             if not (bool((got[0][pad] == 0).all()) and bool(torch.isneginf(got[1].transpose(1, 2)[pad]).all())
                     and bool((got[2][pad] == 0).all()) and bool((got[3][pad] == 0).all())):
                 failures.append(f"[{name}] padding rows are not out 0 / lse -inf / zero gradients")
-    comm.PeerComm.post = original_post
-
-    # Mechanism: documents inside shards (equal work per shard) send nothing, forward or backward.
-    sent.clear()
-    docs = [(r * 24 + a, r * 24 + b) for r in range(world) for a, b in ((0, 10), (10, 24))]
-    seg = Segments(24 * world, (tuple(docs),))
-    comm.PeerComm.post = counting_post
-    x = torch.randn(1, 24, 2, 16, requires_grad=True)
-    lightseq_hf.dist_flash_attn(x, x, x, segments=seg, backend="reference").sum().backward()
-    if sent:
-        failures.append(f"rank {rank}: documents inside shards still sent {len(sent)} tensors")
-    # ... and one long document does send (the check above can fail)
-    sent.clear()
-    lightseq_hf.dist_flash_attn(x, x, x, segments=Segments.full(1, 24 * world), window=40,
-                                backend="reference").sum().backward()
-    if world > 1 and not sent:
-        failures.append(f"rank {rank}: a document across shards sent nothing")
-    # ... and a task moves only the keys its rows see: with a window of 8, a few keys of a neighbour's chunk
-    # (and their gradients), never the whole chunk (key/value tensors have 2 heads, queries 4)
-    shapes = []
-    comm.PeerComm.post = lambda self, tr: (shapes.extend(tuple(t.shape) for _, t in tr.sends),
-                                           original_post(self, tr))[1]
-    qw = torch.randn(1, 24, 4, 16, requires_grad=True)
-    kw, vw = (torch.randn(1, 24, 2, 16, requires_grad=True) for _ in "kv")
-    lightseq_hf.dist_flash_attn(qw, kw, vw, segments=Segments.full(1, 24 * world), window=8,
-                                backend="reference").sum().backward()
-    kv_sent = [s[1] for s in shapes if len(s) == 4 and s[2] == 2]
-    if world > 1 and not (kv_sent and max(kv_sent) < 24):
-        failures.append(f"rank {rank}: key/value rows sent {kv_sent}, expected parts of a chunk of 24")
-    comm.PeerComm.post = original_post
+    failures += documents_send_only_what_they_see(rank, world)
     if world <= 4:
         from varlen_emulation import distributed_check
 
@@ -146,6 +108,51 @@ def worker_packed(rank, world):
     if world <= 2:
         failures += softcap_and_value_dim(rank, world)
         failures += nan_stays_in_its_document(rank, world)
+    return failures
+
+
+def documents_send_only_what_they_see(rank, world):
+    """Mechanism: documents inside shards send nothing, one document across shards does, and a task moves
+    only the keys its rows see."""
+    import pytest
+
+    import lightseq_hf
+    from lightseq_hf.parallel import comm
+    from lightseq_hf.parallel.segments import Segments
+
+    failures, sent, shapes = [], [], []
+    original_post = comm.PeerComm.post
+
+    def counting_post(self, transfers):
+        sent.extend(t.numel() for _, t in transfers.sends)
+        shapes.extend(tuple(t.shape) for _, t in transfers.sends)
+        return original_post(self, transfers)
+
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(comm.PeerComm, "post", counting_post)
+        # documents inside shards (equal work per shard) send nothing, forward or backward
+        docs = [(r * 24 + a, r * 24 + b) for r in range(world) for a, b in ((0, 10), (10, 24))]
+        seg = Segments(24 * world, (tuple(docs),))
+        x = torch.randn(1, 24, 2, 16, requires_grad=True)
+        lightseq_hf.dist_flash_attn(x, x, x, segments=seg, backend="reference").sum().backward()
+        if sent:
+            failures.append(f"rank {rank}: documents inside shards still sent {len(sent)} tensors")
+        # ... and one long document does send (the check above can fail)
+        sent.clear()
+        lightseq_hf.dist_flash_attn(x, x, x, segments=Segments.full(1, 24 * world), window=40,
+                                    backend="reference").sum().backward()
+        if world > 1 and not sent:
+            failures.append(f"rank {rank}: a document across shards sent nothing")
+        # ... and a task moves only the keys its rows see: with a window of 8, a few keys of a neighbour's
+        # chunk (and their gradients), never the whole chunk (key/value tensors have 2 heads, queries 4)
+        shapes.clear()
+        qw = torch.randn(1, 24, 4, 16, requires_grad=True)
+        kw, vw = (torch.randn(1, 24, 2, 16, requires_grad=True) for _ in "kv")
+        lightseq_hf.dist_flash_attn(qw, kw, vw, segments=Segments.full(1, 24 * world), window=8,
+                                    backend="reference").sum().backward()
+    kv_sent = [s[1] for s in shapes if len(s) == 4 and s[2] == 2]
+    if world > 1 and not (kv_sent and max(kv_sent) < 24):
+        failures.append(f"rank {rank}: key/value rows sent {kv_sent}, expected parts of a chunk of 24")
     return failures
 
 

@@ -169,22 +169,17 @@ def _norm_rows(model):
 
     norms = layer_norms(model)
     seen = [0]
-    restore = []
-    for cls in {type(m) for m in norms}:
-        original = cls.forward
+    with pytest.MonkeyPatch.context() as patches:
+        for cls in {type(m) for m in norms}:
+            original = cls.forward
 
-        def recording(self, x, *args, _original=original, **kwargs):
-            if any(self is m for m in norms):
-                seen[0] = max(seen[0], x.numel() // x.shape[-1])
-            return _original(self, x, *args, **kwargs)
+            def recording(self, x, *args, _original=original, **kwargs):
+                if any(self is m for m in norms):
+                    seen[0] = max(seen[0], x.numel() // x.shape[-1])
+                return _original(self, x, *args, **kwargs)
 
-        cls.forward = recording
-        restore.append((cls, original))
-    try:
+            patches.setattr(cls, "forward", recording)
         yield seen
-    finally:
-        for cls, original in restore:
-            cls.forward = original
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
@@ -273,10 +268,6 @@ def _offload_failures(tag: str, stats, layers: list[tuple[bool, bool]]) -> list[
 
 
 def worker_memory_options(rank, world):
-    from kernel_checks import OpCalls
-    from tiny_models import loss_and_grads, make_batch, make_model
-
-    import lightseq_hf
     from lightseq_hf.parallel import ops
 
     backward_heads = []  # query heads of every schedule backward (the op runs one per head group)
@@ -286,7 +277,20 @@ def worker_memory_options(rank, world):
         backward_heads.append(q.shape[2])
         return schedule_backward(dout, q, *args, **kwargs)
 
-    ops.dist_attn_backward = recording_backward
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(ops, "dist_attn_backward", recording_backward)
+        return memory_option_cases(world, patches, backward_heads)
+
+
+def memory_option_cases(world, patches, backward_heads):
+    """Every memory option against the unpatched model; ``patches`` sets the backward's head-group limit,
+    ``backward_heads`` collects the query heads of every schedule backward."""
+    from kernel_checks import OpCalls
+    from tiny_models import loss_and_grads, make_batch, make_model
+
+    import lightseq_hf
+    from lightseq_hf.parallel import ops
+
     failures = []
     ids, labels = make_batch(2, 37, seed=7, ignore_prefix=2)
     ref_loss, ref_grads, _ = loss_and_grads(make_model("llama", layers=LAYERS), input_ids=ids, labels=labels)
@@ -297,7 +301,7 @@ def worker_memory_options(rank, world):
         layers = _expected_layers(mode, offload)
         partial = offload if isinstance(offload, int) else None
         # the partial-offload case also runs the attention backward one key/value head at a time
-        ops.BACKWARD_CHUNK_BYTES = 1 if partial else 2**30
+        patches.setattr(ops, "BACKWARD_CHUNK_BYTES", 1 if partial else 2**30)
         backward_heads.clear()
         given = offload if isinstance(offload, (int, dict)) else offload == "patch"
         lightseq_hf.patch_model(model, checkpointing=mode, offload_checkpoints=given, tiled_mlp=tile)
@@ -337,8 +341,6 @@ def worker_memory_options(rank, world):
                 failures.append(f"{tag}: second step allocated host buffers ({allocated} first)")
             if not torch.equal(loss_again, loss):
                 failures.append(f"{tag}: second step loss {loss_again.item()} vs {loss.item()}")
-    ops.BACKWARD_CHUNK_BYTES = 2**30
-    ops.dist_attn_backward = schedule_backward
     lightseq_hf.unpatch_llama()
     return failures
 
@@ -350,10 +352,10 @@ def test_memory_options_distributed(world):
     assert not failures, "\n".join(failures)
 
 
-def _record_rows(module: torch.nn.Module, rows: list) -> tuple:
-    """Record the token rows of every call of ``module`` through its class's forward; returns what
-    restores it."""
-    cls = type(module)
+@contextlib.contextmanager
+def _record_rows(module: torch.nn.Module):
+    """Yield a list of the token rows of every call of ``module`` (through its class's forward)."""
+    cls, rows = type(module), []
     original = cls.forward
 
     def recording(self, x, *args, **kwargs):
@@ -361,44 +363,48 @@ def _record_rows(module: torch.nn.Module, rows: list) -> tuple:
             rows.append(x.numel() // x.shape[-1])
         return original(self, x, *args, **kwargs)
 
-    cls.forward = recording
-    return cls, original
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(cls, "forward", recording)
+        yield rows
 
 
 def worker_final_norm_in_loss(rank, world):
     """The final norm inside the fused loss (Llama's RMSNorm, Gemma's (1 + w) one): loss and gradients of
     the unpatched model; the norm ran on one chunk of rows at a time (and one probe row), never on the
     whole slice."""
-    from tiny_models import loss_and_grads, make_batch, make_tiny
-
-    import lightseq_hf
     from lightseq_hf.patches import forward as patched_forward
 
     failures = []
     chunk, seq = 4, 29
-    patched_forward.LOSS_CHUNK_TOKENS = chunk
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(patched_forward, "LOSS_CHUNK_TOKENS", chunk)
+        for model_type in ("llama", "gemma"):
+            failures += _final_norm_case(model_type, chunk, seq, world)
+    return failures
+
+
+def _final_norm_case(model_type, chunk, seq, world):
+    from tiny_models import loss_and_grads, make_batch, make_tiny
+
+    import lightseq_hf
+
+    failures = []
     ids, labels = make_batch(2, seq, seed=11, ignore_prefix=2)
-    for model_type in ("llama", "gemma"):
-        ref_loss, ref_grads, _ = loss_and_grads(make_tiny(model_type), input_ids=ids, labels=labels)
-        model = lightseq_hf.patch_model(make_tiny(model_type))
-        _enable(model)
-        rows: list[int] = []
-        cls, original = _record_rows(model.model.norm, rows)
-        try:
-            loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
-        finally:
-            cls.forward = original
-        grads = _average(grads, world)
-        if rel_err(loss, ref_loss) > 1e-5:
-            failures.append(f"{model_type}: loss {loss.item()} vs {ref_loss.item()}")
-        worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
-        if worst[0] > 1e-4:
-            failures.append(f"{model_type}: gradient of {worst[1]} rel err {worst[0]:.2e}")
-        slice_rows = 2 * -(-seq // world)
-        if rows != [1] + [min(chunk, slice_rows - i) for i in range(0, slice_rows, chunk)]:
-            failures.append(f"{model_type}: the final norm saw {rows} rows (slice {slice_rows})")
-        lightseq_hf.unpatch()
-    patched_forward.LOSS_CHUNK_TOKENS = 2048
+    ref_loss, ref_grads, _ = loss_and_grads(make_tiny(model_type), input_ids=ids, labels=labels)
+    model = lightseq_hf.patch_model(make_tiny(model_type))
+    _enable(model)
+    with _record_rows(model.model.norm) as rows:
+        loss, grads, _ = loss_and_grads(model, input_ids=ids, labels=labels)
+    grads = _average(grads, world)
+    if rel_err(loss, ref_loss) > 1e-5:
+        failures.append(f"{model_type}: loss {loss.item()} vs {ref_loss.item()}")
+    worst = max((rel_err(grads[n], ref_grads[n]), n) for n in ref_grads)
+    if worst[0] > 1e-4:
+        failures.append(f"{model_type}: gradient of {worst[1]} rel err {worst[0]:.2e}")
+    slice_rows = 2 * -(-seq // world)
+    if rows != [1] + [min(chunk, slice_rows - i) for i in range(0, slice_rows, chunk)]:
+        failures.append(f"{model_type}: the final norm saw {rows} rows (slice {slice_rows})")
+    lightseq_hf.unpatch()
     return failures
 
 
@@ -422,12 +428,8 @@ def test_final_norm_stays_when_hidden_states_are_asked_for():
     model = lightseq_hf.patch_model(make_model("llama"))
     assert final_norm(model.model) is model.model.norm  # given its forward when the model was adopted
     assert isinstance(model.model.norm.__dict__["forward"], FinalNormForward)
-    rows: list[int] = []
-    cls, original = _record_rows(model.model.norm, rows)
-    try:
+    with _record_rows(model.model.norm) as rows:
         out = model(input_ids=ids, labels=labels, output_hidden_states=True)
-    finally:
-        cls.forward = original
     assert rows == [17]
     assert rel_err(out.loss, ref.loss) < 1e-6
     assert rel_err(out.hidden_states[-1], ref.hidden_states[-1]) < 1e-6

@@ -42,19 +42,28 @@ def per_document_reference(model, ids, labels, doc_lens):
 
 
 def worker_packed_model(rank, world):
-    from tiny_models import VOCAB, loss_and_grads, make_model
+    import pytest
 
-    import lightseq_hf
     from lightseq_hf.parallel import ops
 
     seen = []
     original_plan = ops._plan
 
-    def recording_plan(world_, causal, schedule, segments, window, device):
-        seen.append((bool(segments), window))
-        return original_plan(world_, causal, schedule, segments, window, device)
+    def recording_plan(world_, mask, schedule, device):
+        seen.append((mask.segments is not None, mask.window or 0))
+        return original_plan(world_, mask, schedule, device)
 
-    ops._plan = recording_plan
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(ops, "_plan", recording_plan)
+        return packed_model_cases(world, seen)
+
+
+def packed_model_cases(world, seen):
+    """The cases against their references; ``seen`` collects each attention call's (segments?, window)."""
+    from tiny_models import VOCAB, loss_and_grads, make_model
+
+    import lightseq_hf
+
     failures = []
     cases = [  # (tag, arch, config overrides, doc lengths, inputs, checkpointing)
         ("packed position_ids", "llama", {}, [5, 1, 13, 9, 4], "position_ids", "off"),
@@ -103,7 +112,6 @@ def worker_packed_model(rank, world):
     failures += compare("padding masks", loss, grads, *pad_ref, world)
     if not seen or not all(s[0] for s in seen):
         failures.append("padding masks: attention got no segments")
-    ops._plan = original_plan
     lightseq_hf.unpatch_llama()
     return failures
 

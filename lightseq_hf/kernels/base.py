@@ -6,8 +6,9 @@ Layout: ``q`` is ``(batch, q_len, heads, head_dim)``; ``k`` is ``(batch, kv_len,
 head ``h // (heads // kv_heads)`` (key/value heads are never replicated). ``lse`` is
 ``(batch, heads, q_len)``, float32 (float64 for float64 inputs), natural log.
 
-The mask of one call is an :class:`AttentionMask`; a kernel takes its fields as keywords (``causal``,
-``key_range``, ``doc_blocks``, ``window``, ``softcap``: :data:`MASK_KEYWORDS`, the one list of them):
+The mask of one call is an :class:`AttentionMask`, which a kernel takes as ``mask=``. Direct calls may pass
+its fields as keywords instead (``causal``, ``key_range``, ``doc_blocks``, ``window``, ``softcap``:
+:data:`MASK_KEYWORDS`, the one list of them), turned into the :class:`AttentionMask` once at the call:
 
 - ``causal``: bottom-right aligned (flash-attn's rule): query row ``i`` sees key ``j`` when
   ``j <= i + kv_len - q_len``. A row that sees no key has ``lse = -inf`` and an all-zero output.
@@ -18,16 +19,16 @@ The mask of one call is an :class:`AttentionMask`; a kernel takes its fields as 
   names the mask kind so that a backend without ``supports_window`` is refused by name).
 - ``softcap``: scores become ``softcap * tanh(score / softcap)`` (after the softmax scale).
 
-Every backend declares what it takes in a :class:`Capabilities` record; :class:`KernelBase` turns the
-keywords into an :class:`AttentionMask` and refuses, naming the backend, what the record does not declare.
+Every backend declares what it takes in a :class:`Capabilities` record; :class:`KernelBase` refuses, naming
+the backend, what the record does not declare.
 
-forward(q, k, v, *, causal, scale, out=None, lse=None, **mask) -> (out, lse)
+forward(q, k, v, *, scale, mask, out=None, lse=None) -> (out, lse)
     Without ``out``/``lse``: returns ``out`` in ``q.dtype`` and ``lse`` in float32. With them (float32
     running output ``(batch, q_len, heads, value_dim)`` and running lse): merges this chunk's attention
     into them in place (the paper's Algorithm 3) and returns them. A running row with ``lse = -inf``
     holds nothing yet.
 
-backward(dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None, **mask)
+backward(dout, q, k, v, out, lse, *, scale, mask, delta=None, dq=None, dk=None, dv=None)
     ``out`` and ``lse`` are the *global* results of the query rows (over every key chunk), so gradients
     of all chunks add up to the full gradient. ``delta`` is ``rowsum(dout * out)`` as float32
     ``(batch, heads, q_len)``; computed from ``out`` when not given (``out`` may be ``None`` when
@@ -283,7 +284,8 @@ class Capabilities:
 
 
 class AttentionKernel(Protocol):
-    """A local (single-device) attention backend: :class:`KernelBase` implements the keyword surface."""
+    """A local (single-device) attention backend (:class:`KernelBase` implements the call surface): the mask
+    as ``mask=``, or its fields as keywords (one of the two)."""
 
     name: str
     capabilities: Capabilities
@@ -296,10 +298,11 @@ class AttentionKernel(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
-        causal: bool,
         scale: float,
+        mask: AttentionMask | None = None,
         out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
+        causal: bool | None = None,
         key_range: KeyRange | None = None,
         doc_blocks: DocBlocks | None = None,
         window: int | None = None,
@@ -315,12 +318,13 @@ class AttentionKernel(Protocol):
         out: torch.Tensor | None,
         lse: torch.Tensor,
         *,
-        causal: bool,
         scale: float,
+        mask: AttentionMask | None = None,
         delta: torch.Tensor | None = None,
         dq: torch.Tensor | None = None,
         dk: torch.Tensor | None = None,
         dv: torch.Tensor | None = None,
+        causal: bool | None = None,
         key_range: KeyRange | None = None,
         doc_blocks: DocBlocks | None = None,
         window: int | None = None,
@@ -328,8 +332,26 @@ class AttentionKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
+def call_mask(mask: AttentionMask | None, causal: bool | None, key_range: KeyRange | None = None,
+              doc_blocks: DocBlocks | None = None, window: int | None = None,
+              softcap: float | None = None) -> AttentionMask:
+    """The mask of one kernel call: ``mask`` as given, or the one its keywords describe (direct calls)."""
+    if mask is None:
+        if causal is None:
+            raise TypeError("a kernel call needs its mask: mask=AttentionMask(...), or causal= and the other "
+                            "mask keywords.")
+        return AttentionMask(causal, key_range, doc_blocks, window, softcap)
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"mask must be an AttentionMask; got {type(mask).__name__}.")
+    given = [name for name, value in zip(MASK_KEYWORDS, (causal, key_range, doc_blocks, window, softcap))
+             if value is not None]
+    if given:
+        raise ValueError(f"pass mask= or the mask keywords, not both; got mask= and {', '.join(given)}=.")
+    return mask
+
+
 class KernelBase:
-    """Base of every backend: builds the :class:`AttentionMask` from the keywords, checks q, k, v
+    """Base of every backend: takes the :class:`AttentionMask` (:func:`call_mask`), checks q, k, v
     (:func:`check_qkv`), refuses what ``capabilities`` does not declare (:meth:`check_call`: the only
     device, dtype, head-dim and mask checks a backend needs), and calls ``_forward`` / ``_backward``.
 
@@ -360,16 +382,16 @@ class KernelBase:
             raise ValueError(f"backend {self.name!r} {reason}; use backend='reference', or 'auto' to pick "
                              "one that takes the call.")
 
-    def forward(self, q, k, v, *, causal, scale, out=None, lse=None, key_range=None, doc_blocks=None,
-                window=None, softcap=None):
-        mask = AttentionMask(causal, key_range, doc_blocks, window, softcap)
+    def forward(self, q, k, v, *, scale, mask=None, out=None, lse=None, causal=None, key_range=None,
+                doc_blocks=None, window=None, softcap=None):
+        mask = call_mask(mask, causal, key_range, doc_blocks, window, softcap)
         check_qkv(q, k, v)
         self.check_call(mask, q, v)
         return self._forward(q, k, v, mask, scale=scale, out=out, lse=lse)
 
-    def backward(self, dout, q, k, v, out, lse, *, causal, scale, delta=None, dq=None, dk=None, dv=None,
-                 key_range=None, doc_blocks=None, window=None, softcap=None):
-        mask = AttentionMask(causal, key_range, doc_blocks, window, softcap)
+    def backward(self, dout, q, k, v, out, lse, *, scale, mask=None, delta=None, dq=None, dk=None, dv=None,
+                 causal=None, key_range=None, doc_blocks=None, window=None, softcap=None):
+        mask = call_mask(mask, causal, key_range, doc_blocks, window, softcap)
         check_qkv(q, k, v)
         self.check_call(mask, q, v)
         return self._backward(dout, q, k, v, out, lse, mask, scale=scale, delta=delta, dq=dq, dk=dk, dv=dv)

@@ -10,12 +10,13 @@ import torch
 import torch.distributed as dist
 
 from .._values import check_group, is_positive_int
-from ..kernels import KernelRequest, MaskKind, backend_names, check_qkv, select_backend
+from ..kernels import KernelRequest, backend_names, check_qkv, select_backend
 from ..kernels.base import check_softcap
 from .groups import check_launched
 from .ops import dist_attn_fwd, group_handle, group_rank_and_size
 from .schedule import SCHEDULES
 from .segments import Segments, as_segments
+from .sequence_mask import SequenceMask
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
@@ -89,14 +90,6 @@ def check_same_shapes(
 def _name_code(name: str) -> int:
     """A stable number for a backend name (the fingerprint is an int64 tensor)."""
     return zlib.crc32(name.encode())
-
-
-def _mask_kind(causal: bool, seg: Segments | None, window: int | None) -> MaskKind:
-    if window is not None:
-        return MaskKind.WINDOW
-    if seg is not None:
-        return MaskKind.DOCUMENTS
-    return MaskKind.CAUSAL if causal else MaskKind.FULL
 
 
 def _check_arguments(q, k, v, causal, softmax_scale, group, schedule, backend, segments, cu_seqlens, window,
@@ -228,20 +221,15 @@ def dist_flash_attn(
     _, world = group_rank_and_size(group)
     seg = _segments_of(segments, cu_seqlens, window, q.shape[0], q.shape[1] * world, world, q.shape[1],
                        q.shape[2])
+    mask = SequenceMask(causal, seg, window, softcap)
     lse_grad = return_lse and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], _mask_kind(causal, seg, window),
-                            softcap is not None, lse_grad)
+    request = KernelRequest(q.device, q.dtype, q.shape[-1], v.shape[-1], mask.kind, softcap is not None,
+                            lse_grad)
     chosen = select_backend(backend, request)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if check_shapes:
-        digest = 0 if seg is None else seg.checksum() * 31 + (window or 0)
-        if softcap is not None:
-            digest = digest * 31 + zlib.crc32(repr(float(softcap)).encode())
         check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend,
-                          mask_digest=digest, chosen=chosen)
+                          mask_digest=mask.digest(), chosen=chosen)
     _check_not_a_shards_cu_seqlens(cu_seqlens, seg, world, q.shape[1])  # after the check: every rank agrees
-    out, lse = dist_attn_fwd(
-        q, k, v, causal, float(scale), group_handle(group), schedule, chosen,
-        [] if seg is None else seg.encode(), window or 0, float(softcap or 0.0),
-    )
+    out, lse = dist_attn_fwd(q, k, v, float(scale), group_handle(group), schedule, chosen, *mask.op_args())
     return (out, lse) if return_lse else out

@@ -192,19 +192,19 @@ def dist_attn_forward(
         if task is None:
             return None
         qt, kt, vt = q_in["q"], kv_in["k"], kv_in["v"]
-        mask = masks.for_task(task, chunk).keywords()
+        mask = masks.for_task(task, chunk)
         if task.q_owner == rank:
             if task is copy_first:
-                part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
+                part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, mask=mask)
                 out.copy_(part_out)
                 lse.copy_(part_lse)
             else:
-                kernel.forward(qt, kt, vt, scale=scale, out=_rows(out, task, 1), lse=_rows(lse, task, 2),
-                               **mask)
+                kernel.forward(qt, kt, vt, scale=scale, mask=mask, out=_rows(out, task, 1),
+                               lse=_rows(lse, task, 2))
             return None
         # A helper's partial result travels in the input dtype (lse in the running precision) and is
         # merged in float32 by the query owner.
-        part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, **mask)
+        part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, mask=mask)
         return {"out": part_out.to(q.dtype), "lse": part_lse.to(lse.dtype)}
 
     def plan_results(t: int, produced: Bundle | None):
@@ -323,7 +323,7 @@ def dist_attn_backward(
         row_out, row_delta = (q_in["stat"], None) if needs_out else (None, q_in["stat"])
         grads = kernel.backward(
             q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
-            scale=scale, delta=row_delta, **masks.for_task(task, chunk).keywords(),
+            scale=scale, mask=masks.for_task(task, chunk), delta=row_delta,
             dq=_rows(dq, task, 1) if own_q else None,
             dk=_keys(dk, task) if own_kv else None,
             dv=_keys(dv, task) if own_kv else None,

@@ -19,7 +19,8 @@ from .dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward
 from .doc_blocks import task_doc_blocks
 from .schedule import Schedule, SpanTask, build_schedule
 from .segment_schedule import build_segment_schedule
-from .segments import decode_segments, key_ranges
+from .segments import key_ranges
+from .sequence_mask import OpMaskArgs, SequenceMask
 
 _comms: dict[tuple[str, str], PeerComm] = {}
 
@@ -84,44 +85,36 @@ def release_comms() -> int:
     return held
 
 
-def _plan(
-    world: int, causal: bool, schedule: str, segments: list[int], window: int, device: torch.device
-) -> tuple[Schedule, tuple[torch.Tensor, torch.Tensor] | None]:
-    """The schedule and (for packed documents or a window) the global key ranges on ``device``.
-
-    ``segments`` is :meth:`Segments.encode` (empty: one plain sequence per row); ``window`` 0 is none.
-    """
-    if not segments and not window:
-        return build_schedule(world, causal, schedule), None
-    if not segments:
-        raise ValueError("a window needs the segments of the rows (Segments.full for plain rows).")
-    seg = decode_segments(segments)
-    win = window or None
-    lo, hi = key_ranges(seg, causal=causal, window=win, device=device)
-    return build_segment_schedule(world, seg, causal, win), (lo, hi)
+def _plan(world: int, mask: SequenceMask, schedule: str,
+          device: torch.device) -> tuple[Schedule, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The schedule and (for packed documents or a window) the global key ranges on ``device``."""
+    if mask.segments is None:
+        return build_schedule(world, mask.causal, schedule), None
+    ranges = key_ranges(mask.segments, causal=mask.causal, window=mask.window, device=device)
+    return build_segment_schedule(world, mask.segments, mask.causal, mask.window), ranges
 
 
-def _task_masks(kernel: AttentionKernel, causal: bool, segments: list[int], window: int, softcap: float,
-                ranges: tuple[torch.Tensor, torch.Tensor] | None, chunk: int,
-                device: torch.device) -> TaskMasks:
+def _task_masks(kernel: AttentionKernel, mask: SequenceMask, ranges: tuple[torch.Tensor, torch.Tensor] | None,
+                chunk: int, device: torch.device) -> TaskMasks:
     """How each task's mask reaches ``kernel``: document blocks for kernels taking them (packed rows
     without a window), else the global key ``ranges`` (None for plain rows). The backend was chosen for
     this mask (``select_backend``), so one of the two fits."""
-    cap = softcap or None
-    if segments and not window and kernel.capabilities.supports_doc_blocks:
-        seg = decode_segments(segments)
+    seg, causal = mask.segments, mask.causal
+    if seg is not None and mask.window is None and kernel.capabilities.supports_doc_blocks:
         return TaskMasks(blocks_of=lambda task: task_doc_blocks(seg, task, chunk, causal, device),
-                         softcap=cap)
-    return TaskMasks(ranges=ranges, window=window or None, softcap=cap)
+                         softcap=mask.softcap)
+    return TaskMasks(ranges=ranges, window=mask.window, softcap=mask.softcap)
 
 
-def _setup(q, causal, group, schedule, backend, segments, window, softcap):
-    """The kernel, this rank's place, the schedule and the task masks of one op call."""
+def _setup(q, group, schedule, backend, mask_args: OpMaskArgs):
+    """The kernel, this rank's place, the schedule, the call's mask (decoded from the op arguments, once)
+    and the task masks of one op call."""
+    mask = SequenceMask.from_op_args(*mask_args)
     kernel = kernel_named(backend)
     rank, world, comm = _context(group, q.device)
-    plan, ranges = _plan(world, causal, schedule, segments, window, q.device)
-    masks = _task_masks(kernel, causal, segments, window, softcap, ranges, q.shape[1], q.device)
-    return kernel, rank, world, comm, plan, masks
+    plan, ranges = _plan(world, mask, schedule, q.device)
+    masks = _task_masks(kernel, mask, ranges, q.shape[1], q.device)
+    return kernel, rank, world, comm, plan, mask, masks
 
 
 def _whole(q: torch.Tensor, causal: bool) -> SpanTask:
@@ -134,29 +127,28 @@ def dist_attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
     scale: float,
     group: str,
     schedule: str,
     backend: str,
+    causal: bool,
     segments: list[int],
     window: int,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (out, lse); ``backend`` is the registered backend :func:`select_backend` chose, ``window``
-    and ``softcap`` 0 for none."""
+    """This rank's (out, lse); ``backend`` is the registered backend :func:`select_backend` chose; the last
+    four arguments are the call's mask (:meth:`SequenceMask.op_args`)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    kernel, rank, world, comm, plan, masks = _setup(q, causal, group, schedule, backend, segments, window,
-                                                    softcap)
+    kernel, rank, world, comm, plan, mask, masks = _setup(q, group, schedule, backend,
+                                                          (causal, segments, window, softcap))
     if world == 1:
-        mask = masks.for_task(_whole(q, causal), q.shape[1])
-        return kernel.forward(q, k, v, scale=scale, **mask.keywords())
+        return kernel.forward(q, k, v, scale=scale, mask=masks.for_task(_whole(q, mask.causal), q.shape[1]))
     return dist_attn_forward(q, k, v, scale=scale, schedule=plan, rank=rank, comm=comm, kernel=kernel,
                              masks=masks)
 
 
 @dist_attn_fwd.register_fake
-def _(q, k, v, causal, scale, group, schedule, backend, segments, window, softcap):
+def _(q, k, v, scale, group, schedule, backend, causal, segments, window, softcap):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v.shape[-1])), q.new_empty((b, h, s), dtype=lse_dtype)
@@ -171,19 +163,19 @@ def dist_attn_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    causal: bool,
     scale: float,
     group: str,
     schedule: str,
     backend: str,
+    causal: bool,
     segments: list[int],
     window: int,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # autograd saved the caller's q/k/v, which may be views (transposes, slices): k and v are sent
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
-    kernel, rank, world, comm, plan, masks = _setup(q, causal, group, schedule, backend, segments, window,
-                                                    softcap)
+    kernel, rank, world, comm, plan, _, masks = _setup(q, group, schedule, backend,
+                                                       (causal, segments, window, softcap))
 
     def backward(dout, q, k, v, out, lse, dlse):
         return dist_attn_backward(dout, q, k, v, out, lse, dlse=dlse, scale=scale, schedule=plan, rank=rank,
@@ -205,15 +197,15 @@ def dist_attn_bwd(
 
 
 @dist_attn_bwd.register_fake
-def _(dout, dlse, q, k, v, out, lse, causal, scale, group, schedule, backend, segments, window, softcap):
+def _(dout, dlse, q, k, v, out, lse, scale, group, schedule, backend, causal, segments, window, softcap):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale, group, schedule, backend, segments, window, softcap = inputs
+    q, k, v, *args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (causal, scale, group, schedule, backend, segments, window, softcap)
+    ctx.args = tuple(args)  # scale, group, schedule, backend and the mask's op arguments
     ctx.set_materialize_grads(False)  # an unused lse gets no (zero) gradient tensor
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import lightseq_hf
-from lightseq_hf.kernels import get_kernel
+from lightseq_hf.kernels import AttentionMask, get_kernel
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -88,16 +88,17 @@ class AllGatherVarlen(torch.autograd.Function):
         world = dist.get_world_size()
         k_all = torch.cat(_all_gather(k, world), dim=1)
         v_all = torch.cat(_all_gather(v, world), dim=1)
-        out, lse = kernel.forward(q, k_all, v_all, causal=False, scale=scale, key_range=key_range)
-        ctx.save_for_backward(q, k_all, v_all, out, lse, *key_range)
-        ctx.kernel, ctx.scale = kernel, scale
+        mask = AttentionMask(key_range=key_range)
+        out, lse = kernel.forward(q, k_all, v_all, scale=scale, mask=mask)
+        ctx.save_for_backward(q, k_all, v_all, out, lse)
+        ctx.kernel, ctx.scale, ctx.mask = kernel, scale, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k_all, v_all, out, lse, lo, hi = ctx.saved_tensors
-        dq, dk_all, dv_all = ctx.kernel.backward(dout.contiguous(), q, k_all, v_all, out, lse, causal=False,
-                                                 scale=ctx.scale, key_range=(lo, hi))
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        dq, dk_all, dv_all = ctx.kernel.backward(dout.contiguous(), q, k_all, v_all, out, lse,
+                                                 scale=ctx.scale, mask=ctx.mask)
         world = dist.get_world_size()
         dk, dv = _reduce_scatter(dk_all, world), _reduce_scatter(dv_all, world)
         return dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None
