@@ -27,6 +27,7 @@ SMOKE = {
     "bench_kernels.py": f"{HERE}::test_bench_kernels_in_the_interpreter",
     "bench_packed.py": "tests/test_bench_packed.py::test_smoke_run_on_two_cpu_processes",
     "bench_packed_kernels.py": f"{HERE}::test_bench_packed_kernels_in_the_interpreter",
+    "bench_bytes_per_token.py": "tests/test_bench_bytes_per_token.py::test_smoke_run_on_two_cpu_processes",
     "bench_prefill.py": "tests/test_bench_prefill.py::test_smoke_run_on_two_cpu_processes",
     "bench_train.py": f"{HERE}::test_bench_train_then_finetune_report",
     "check_clean_exit.py": f"{HERE}::test_check_clean_exit_counts_a_clean_run",

@@ -22,6 +22,9 @@ RUNS = (
     ScriptRun("bench_dist_attn.py", 2, (
         "--seqs", "8192", "--heads", "32/32,32/8", "--reps", "2", "--backends", "sdpa_cudnn", "--replay",
         "--trace", "--trace-seq", "8192", "--out", "{out}"), "dist-*-x2-*.json"),
+    ScriptRun("bench_bytes_per_token.py", 1, (
+        "--model", "tiny", "--tokens-per-rank", "2048,4096", "--warmup-tokens", "1024", "--tile", "1024",
+        "--out", "{out}"), "bytes-per-token-*.json"),
     ScriptRun("bench_kernels.py", 1, (
         "--seqs", "1024", "--head-dims", "64", "--heads", "4/4", "--warmup", "1", "--rep", "3",
         "--out", "{out}"), "kernels-*.json"),
