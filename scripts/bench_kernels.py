@@ -82,18 +82,32 @@ def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> d
             o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
         o.backward(dot)
 
+    def expanded_fwd(be):
+        """GQA the way Transformers' SDPA attention calls it: keys/values repeated to every query head."""
+        with sdpa_kernel(be), torch.no_grad():
+            ke, ve = (t.repeat_interleave(h // hk, 1) for t in (kt, vt))
+            return F.scaled_dot_product_attention(qt, ke, ve, is_causal=causal, scale=scale)
+
+    def expanded_fwd_bwd(be):
+        with sdpa_kernel(be):
+            ke, ve = (t.repeat_interleave(h // hk, 1) for t in (kt, vt))
+            o = F.scaled_dot_product_attention(qt, ke, ve, is_causal=causal, scale=scale)
+        o.backward(dot)
+
     o, lse = ours_fwd()
     reference, backend = ("flash", SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else \
         ("math", SDPBackend.MATH)
     err = rel_err(o.transpose(1, 2), sdpa_fwd(backend))
     return {"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd, "sdpa_fwd": sdpa_fwd,
-            "sdpa_fwd_bwd": sdpa_fwd_bwd, "sdpa_grads": [qt, kt, vt], f"rel_err_vs_{reference}": err,
+            "sdpa_fwd_bwd": sdpa_fwd_bwd, "expanded_fwd": expanded_fwd, "expanded_fwd_bwd": expanded_fwd_bwd,
+            "sdpa_grads": [qt, kt, vt], f"rel_err_vs_{reference}": err,
             "ours_bwd": lambda: kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
 
 
 def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int, causal: bool,
                 device) -> dict:
-    """One row: ours, SDPA cuDNN and SDPA flash (GPU only), forward and forward+backward, at one shape."""
+    """One row: ours, SDPA cuDNN and SDPA flash (GPU only), forward and forward+backward, at one shape; for
+    GQA heads also cuDNN given keys/values repeated to every query head (``cudnn_expanded``)."""
     from torch.nn.attention import SDPBackend
 
     fns = kernel_fns(kern, n, h, hk, d, causal, device)
@@ -106,9 +120,12 @@ def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int,
         ms = {"ours": bench(fns[f"ours_{mode}"])}
         ms.update({impl: bench(lambda be=be: sdpa(be), fns["sdpa_grads"]) if device.type == "cuda" else None
                    for impl, be in backends.items()})
+        if h != hk and device.type == "cuda":
+            expanded = fns[f"expanded_{mode}"]
+            ms["cudnn_expanded"] = bench(lambda: expanded(backends["cudnn"]), fns["sdpa_grads"])
         fl = attention_flops(1, h, n, d, causal=causal, with_bwd=mode == "fwd_bwd")
         row[mode] = {impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9} for impl, t in ms.items()}
-        for impl in backends:
+        for impl in (i for i in ms if i != "ours"):
             row[mode][f"{impl}_over_ours"] = (
                 None if ms[impl] is None or ms["ours"] is None else ms[impl] / ms["ours"]
             )
@@ -217,6 +234,10 @@ def summarize(rows: list[dict]) -> dict:
     cud_f = [ratio(r, "fwd", "cudnn") for r in causal128]
     s["fwd_bwd_vs_cudnn_min_16k_up"] = min([x for x in cud_fb if x is not None], default=None)
     s["fwd_vs_cudnn_min"] = min([x for x in cud_f if x is not None], default=None)
+    s["gqa_fwd_bwd_cudnn_expanded_over_native"] = [
+        {"seq": r["seq"], "heads": f"{r['heads']}/{r['kv_heads']}", "head_dim": r["head_dim"],
+         "causal": r["causal"], "ratio": r["fwd_bwd"]["cudnn_expanded"]["ms"] / r["fwd_bwd"]["cudnn"]["ms"]}
+        for r in rows if (r["fwd_bwd"].get("cudnn_expanded") or {}).get("ms") and r["fwd_bwd"]["cudnn"]]
     return s
 
 

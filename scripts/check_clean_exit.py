@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout that was never installed
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

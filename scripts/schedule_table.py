@@ -8,9 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
-from lightseq_hf.parallel.schedule import Schedule, SpanTask, build_schedule
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout that was never installed
+
+from lightseq_hf.parallel.schedule import Schedule, SpanTask, build_schedule  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import (
     DEFAULT_COST,
     PAIRS,

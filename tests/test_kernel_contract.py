@@ -49,26 +49,33 @@ BUILT_IN = ("reference", "triton", "sdpa_cudnn", "sdpa_flash", "flash_varlen", "
 
 def _sdpa_forward(flavor, qt, kt, vt, causal, scale):
     """torch's fused SDPA ops in float64: ``(batch, heads, seq, dim)``, causal aligned top-left (the kernel
-    only asks for equal lengths), cuDNN's lse with a trailing 1."""
-    s = torch.einsum("bhqd,bhkd->bhqk", qt.double(), kt.double()) * scale
+    only asks for equal lengths), GQA key/value heads read in place, cuDNN's lse with a trailing 1."""
+    group = qt.shape[1] // kt.shape[1]
+    kt, vt = (t.double().repeat_interleave(group, 1) for t in (kt, vt))
+    s = torch.einsum("bhqd,bhkd->bhqk", qt.double(), kt) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
     lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), vt.double()).to(qt.dtype)
+    out = torch.einsum("bhqk,bhkd->bhqd", torch.softmax(s, -1), vt).to(qt.dtype)
     return out, (lse.float().unsqueeze(-1) if flavor == "cudnn" else lse.float())
 
 
 def _sdpa_backward(flavor, dot, qt, kt, vt, ot, lse, causal, scale):
-    s = torch.einsum("bhqd,bhkd->bhqk", qt.double(), kt.double()) * scale
+    """The ops' backward in float64; a GQA key/value head's gradient summed over its group."""
+    b, hk, lk, d = kt.shape
+    group = qt.shape[1] // hk
+    k64, v64 = (t.double().repeat_interleave(group, 1) for t in (kt, vt))
+    s = torch.einsum("bhqd,bhkd->bhqk", qt.double(), k64) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
     p = torch.exp(s - lse.double().reshape(s.shape[:-1])[..., None])
     do = dot.double()
     dv = torch.einsum("bhqk,bhqd->bhkd", p, do)
     delta = (do * ot.double()).sum(-1, keepdim=True)
-    ds = p * (torch.einsum("bhqd,bhkd->bhqk", do, vt.double()) - delta) * scale
-    dq = torch.einsum("bhqk,bhkd->bhqd", ds, kt.double())
+    ds = p * (torch.einsum("bhqd,bhkd->bhqk", do, v64) - delta) * scale
+    dq = torch.einsum("bhqk,bhkd->bhqd", ds, k64)
     dk = torch.einsum("bhqk,bhqd->bhkd", ds, qt.double())
+    dk, dv = (g.reshape(b, hk, group, lk, d).sum(2) for g in (dk, dv))
     return tuple(g.to(qt.dtype) for g in (dq, dk, dv))
 
 
@@ -403,3 +410,71 @@ def _nan_containment_failures(kernel) -> list[str]:
 def test_a_nan_stays_in_its_document(name):
     failures = _nan_containment_failures(kernel_named(name))
     assert not failures, "\n".join(failures)
+
+
+# --- GQA through the SDPA ops -------------------------------------------------------------------------
+
+def _recording(record: list, refuse_gqa: bool = False, error: type[Exception] = RuntimeError):
+    """The emulated ops, recording the key/value head count each call was given; with ``refuse_gqa``
+    raising ``error`` for unequal head counts, as a torch whose op takes none would."""
+    def forward(flavor, qt, kt, vt, causal, scale):
+        record.append(("forward", kt.shape[1]))
+        if refuse_gqa and kt.shape[1] != qt.shape[1]:
+            raise error("number of heads in key/value must equal the query's")
+        return _sdpa_forward(flavor, qt, kt, vt, causal, scale)
+
+    def backward(flavor, dot, qt, kt, vt, ot, lse, causal, scale):
+        record.append(("backward", kt.shape[1]))
+        if refuse_gqa and kt.shape[1] != qt.shape[1]:
+            raise error("number of heads in key/value must equal the query's")
+        return _sdpa_backward(flavor, dot, qt, kt, vt, ot, lse, causal, scale)
+
+    return forward, backward
+
+
+def _gqa_errors(kernel) -> dict[str, float]:
+    q, k, v, dout = _inputs(N, D, torch.float64, seed=3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = dense_attention(*leaves, {"causal": True}, 0.3)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout)
+    out, lse = kernel.forward(q, k, v, causal=True, scale=0.3)
+    grads = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=0.3)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    return {n: _err(got, want) for n, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
+                                                       (ref_out, ref_lse, *ref_grads))}
+
+
+@pytest.mark.parametrize("flavor", sdpa_module.FLAVORS)
+def test_sdpa_ops_read_gqa_key_value_heads_in_place(monkeypatch, flavor):
+    """Keys and values reach the op with their own head count (no copy repeated to every query head)."""
+    record: list = []
+    monkeypatch.setattr(sdpa_module, "sdpa_forward", _recording(record)[0])
+    monkeypatch.setattr(sdpa_module, "sdpa_backward", _recording(record)[1])
+    errors = _gqa_errors(sdpa_module.SdpaKernel(flavor))
+    assert record == [("forward", HK), ("backward", HK)]
+    assert max(errors.values()) <= 1e-6, errors
+
+
+def test_sdpa_ops_that_refuse_gqa_get_expanded_heads_with_one_warning(monkeypatch):
+    record: list = []
+    forward, backward = _recording(record, refuse_gqa=True)
+    monkeypatch.setattr(sdpa_module, "sdpa_forward", forward)
+    monkeypatch.setattr(sdpa_module, "sdpa_backward", backward)
+    kernel = sdpa_module.SdpaKernel("cudnn")
+    with pytest.warns(UserWarning, match="refused unequal query and key/value head counts") as caught:
+        errors = _gqa_errors(kernel)
+        errors_again = _gqa_errors(kernel)
+    assert len([w for w in caught if "refused" in str(w.message)]) == 1
+    assert max(errors.values()) <= 1e-6 and max(errors_again.values()) <= 1e-6, (errors, errors_again)
+    assert record == [("forward", HK), ("forward", H), ("backward", H), ("forward", H), ("backward", H)]
+    assert not kernel.native_gqa
+
+
+def test_an_out_of_memory_in_the_sdpa_op_is_not_taken_for_a_gqa_refusal(monkeypatch):
+    forward, backward = _recording([], refuse_gqa=True, error=torch.OutOfMemoryError)
+    monkeypatch.setattr(sdpa_module, "sdpa_forward", forward)
+    kernel = sdpa_module.SdpaKernel("cudnn")
+    q, k, v, _ = _inputs(N, D, torch.float64, seed=3)
+    with pytest.raises(torch.OutOfMemoryError):
+        kernel.forward(q, k, v, causal=True, scale=0.3)
+    assert kernel.native_gqa

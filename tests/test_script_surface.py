@@ -543,3 +543,50 @@ accelerate launch scripts/finetune.py configs/tiny.yaml training.no_such_key=1
         "configs/no-such.yaml", "scripts/bench_train.py --no-such-flag",
         "scripts/finetune.py configs/tiny.yaml training.no_such_key=1", "scripts/no_such_script.py",
         "scripts/no_such_script.py"], problems
+
+
+# ----------------------------------------------------------------------------- scripts run from a checkout
+
+ENTRY_POINTS = sorted(p for p in (ROOT / "scripts").glob("*.py"))
+_FROM_A_CHECKOUT = """
+import runpy, sys
+# the GPU machines run scripts from a checkout, with no installed lightseq_hf: drop the editable install's
+# finder and the package's modules, then run the script as `python scripts/NAME.py --help` would
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f)]
+sys.path[:] = [p for p in sys.path if p not in ("", ROOT)]
+sys.path.insert(0, SCRIPTS)
+sys.argv = [SCRIPT, "--help"]
+try:
+    runpy.run_path(SCRIPT, run_name="__main__")
+except SystemExit:
+    pass
+if USES_PACKAGE:
+    import lightseq_hf
+    assert lightseq_hf.__file__.startswith(ROOT), lightseq_hf.__file__
+"""
+
+
+def _imports_package(script: Path) -> bool:
+    """Whether the script imports ``lightseq_hf`` or ``benchlib`` anywhere (at its top or once it runs)."""
+    for node in ast.walk(ast.parse(script.read_text())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                 else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if any(n.split(".")[0] in ("lightseq_hf", "benchlib") for n in names):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("script", ENTRY_POINTS, ids=lambda p: p.name)
+def test_scripts_find_the_package_when_run_from_a_checkout(script, tmp_path):
+    """A script run as ``python scripts/NAME.py --help`` in a checkout that was never installed (the GPU
+    machines) runs, and one that uses ``lightseq_hf`` finds this checkout's, also where it imports it only
+    once it runs."""
+    import subprocess
+    import sys
+
+    prelude = (f"ROOT, SCRIPTS, SCRIPT = {str(ROOT)!r}, {str(script.parent)!r}, {str(script)!r}\n"
+               f"USES_PACKAGE = {_imports_package(script)}\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    done = subprocess.run([sys.executable, "-c", prelude + _FROM_A_CHECKOUT], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

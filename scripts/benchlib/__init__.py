@@ -14,5 +14,14 @@
 - :mod:`.workloads`: document-length mixes and the Llama model shapes of the step benchmarks.
 
 A script of ``scripts/`` imports it as ``benchlib``: run as a script, its folder is ``sys.path[0]``;
-loaded by path (the tests), each ``bench_*.py`` first puts its folder on ``sys.path``.
+loaded by path (the tests), each ``bench_*.py`` first puts its folder on ``sys.path``. Importing it puts
+the checkout's root first on ``sys.path``, so a script run from a checkout that was never installed (the
+GPU machines) imports this checkout's ``lightseq_hf``.
 """
+
+import sys
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
