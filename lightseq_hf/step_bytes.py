@@ -164,12 +164,16 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
     the float32 dq/dk/dv accumulators; over a group, the ring's buffers (the remote key/value chunk and
     its prefetch, the float32 dk/dv partials of the other kernels); and the local kernel's own: for the
     SDPA kernels (cuDNN, flash) the dq/dk/dv they return in the compute dtype (GQA key/value heads read
-    in place, so dk/dv have the key/value heads' size; a kernel's internal workspace is not counted:
-    the committed 7B peaks leave no room for a float32 dq of its own); for the reference kernel its
+    in place, so dk/dv have the key/value heads' size) and, for GQA, their workspace: two float32
+    query-sized tensors (each query head's dk/dv before the sum over its group; fitted to the measured
+    peaks of ``benchmarks/results/bytes-per-token-h100-x1-2026-11-26-8b*.json``, where the peak grew by
+    less than the expanded copies it no longer holds; without GQA no workspace is counted: the committed
+    7B peaks leave no room for a float32 dq of its own); for the reference kernel its
     float32 accumulators and one block pair's scores, probabilities and gradients with the temporaries
     between them (7 at once on the CPU). With ``chunks`` head groups the accumulators, ring buffers and
     kernel temporaries exist for one group at a time, beside the group's slices and the whole
     gradients."""
+    gqa = d.kv < d.q
     parts = {"residual and attention-output gradients": per_token((d.h + d.q) * d.c)}
     grouped = {"dq/dk/dv float32 accumulators": per_token((d.q + 2 * d.kv) * 4)}
     if sp_size > 1:  # the SDPA kernels hand back the partials in the compute dtype (counted with them)
@@ -177,6 +181,8 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
             2 * 2 * d.kv * d.c + (0 if kernel == "sdpa" else 2 * d.kv * 4))
     if kernel == "sdpa":
         grouped["SDPA kernel: dq/dk/dv (compute dtype)"] = per_token((d.q + 2 * d.kv) * d.c)
+        if gqa:
+            grouped["SDPA kernel: GQA backward workspace (float32)"] = per_token(2 * d.q * 4)
     elif kernel == "reference":
         block = min(512, tokens)
         grouped["reference kernel: accumulators, one block pair"] = (

@@ -38,6 +38,10 @@ KIB = 1024
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="8b", choices=sorted(SHAPES))
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default: the model's): the device's bytes per token are one "
+                        "layer's backward and do not depend on the count when every checkpoint is offloaded, "
+                        "so fewer layers measure long lengths in less time")
     p.add_argument("--tokens-per-rank", default="98304,131072",
                    help="two or more lengths, tokens per rank, best with the same head groups in the "
                         "attention backward (each length's count is in its row)")
@@ -56,6 +60,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def model_shape(args: argparse.Namespace) -> tuple[int, ...]:
+    """``(hidden, intermediate, layers, heads, kv_heads, vocab)`` of ``--model`` with ``--layers``."""
+    hidden, inter, layers, heads, kv_heads, vocab = SHAPES[args.model]
+    return hidden, inter, args.layers or layers, heads, kv_heads, vocab
+
+
 def offload_value(args: argparse.Namespace, layers: int) -> dict:
     """The ``offload_checkpoints`` plan of ``--offload`` and ``--recompute``."""
     count = {"all": layers, "none": 0}.get(args.offload)
@@ -69,7 +79,7 @@ def prepare(args: argparse.Namespace, device: torch.device, world: int):
     import lightseq_hf
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = SHAPES[args.model]
+    shape = model_shape(args)
     torch.manual_seed(0)
     model = build_model(shape, max(args.lengths) * world, device, dtype)
     backend = args.backend or ("sdpa_cudnn" if device.type == "cuda" else "auto")
@@ -127,7 +137,7 @@ def planned(args: argparse.Namespace, world: int, dtype: torch.dtype, backend: s
     """The planner's plan of this run at ``tokens`` per rank (replicated bf16 weights, no optimizer)."""
     from lightseq_hf.planner import ModelShape, PlanOptions, plan_memory
 
-    hidden, inter, layers, heads, kv_heads, vocab = SHAPES[args.model]
+    hidden, inter, layers, heads, kv_heads, vocab = model_shape(args)
     shape = ModelShape(hidden, inter, layers, heads, kv_heads, hidden // heads, vocab)
     name = str(dtype).removeprefix("torch.")
     kernel = {"reference": "reference", "triton": "triton"}.get(backend, "sdpa")
@@ -189,8 +199,8 @@ def main(argv=None) -> Path | None:
     if rank == 0:
         meta = run_meta(device_name(device), world, "transformers",
                         *(("cudnn", "nccl") if device.type == "cuda" else ()))
-        meta.update(model=args.model, shape=SHAPES[args.model], backend=backend, tile=args.tile,
-                    offload=offload_value(args, SHAPES[args.model][2]), dtype=str(dtype),
+        meta.update(model=args.model, shape=model_shape(args), backend=backend, tile=args.tile,
+                    offload=offload_value(args, model_shape(args)[2]), dtype=str(dtype),
                     alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                     notes="one forward and backward per length after one unmeasured step; weights held "
                           "whole in the compute dtype on every rank, no optimizer; bytes per token are "

@@ -25,7 +25,7 @@ def _load():
 def worker_smoke(rank, world, out_dir):
     bench = _load()
     bench.main(["--device", "cpu", "--model", "tiny", "--tokens-per-rank", "48,96", "--warmup-tokens", "16",
-                "--tile", "32", "--recompute", "1", "--out", out_dir, "--tag", "smoke"])
+                "--tile", "32", "--recompute", "1", "--layers", "3", "--out", out_dir, "--tag", "smoke"])
     return []
 
 
@@ -34,14 +34,15 @@ def test_smoke_run_on_two_cpu_processes(tmp_path):
     assert not failures, "\n".join(failures)
     (path,) = tmp_path.glob("bytes-per-token-cpu-x2-*-tiny-smoke.json")
     result = json.loads(path.read_text())
-    assert result["world"] == 2 and result["offload"] == {"layers": 2, "recompute": 1}
+    assert result["world"] == 2 and result["offload"] == {"layers": 3, "recompute": 1}
+    assert result["shape"][2] == 3  # --layers: the tiny shape with three decoder layers
     rows = result["rows"]
     assert [r["tokens_per_rank"] for r in rows] == [48, 96] and len(result["rows_per_rank"]) == 2
     assert all(math.isfinite(r["loss"]) and r["host_increase"] > 0 and r["phases"] == {} for r in rows)
     summary = result["summary"]
     planned, measured = summary["planned"], summary["measured"]
-    # tiny: hidden 64, one layer under plain recompute (its input), one under remat (input, out, lse)
-    assert planned["host"] == 64 * 4 + (64 * 4 + 64 * 4 + 4 * 4)
+    # tiny: hidden 64, one layer under plain recompute (its input), two under remat (input, out, lse)
+    assert planned["host"] == 64 * 4 + 2 * (64 * 4 + 64 * 4 + 4 * 4)
     assert planned["backward"] > planned["forward"] > 0
     assert "this layer: layer input" in planned["terms_per_token"]
     assert measured["host"] > 0 and "backward" not in measured  # no CUDA allocator on the CPU
