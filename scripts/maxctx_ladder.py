@@ -81,9 +81,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ours-variants", default=",".join(OURS_VARIANTS),
                    help="the variants the planner chooses among for ours")
     p.add_argument("--max-rungs", type=int, default=4, help="per ladder")
+    p.add_argument("--first-rung", action="append", default=[], metavar="IMPL=TOKENS",
+                   help="start IMPL's ladders (ours, torch_cp) at TOKENS instead of the planner's length, "
+                        "e.g. torch_cp just past the planner's longest to find where it fails first")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--wait", type=float, default=0.0, help="poll: wait up to S seconds for the end")
     args = p.parse_args(argv)
+    try:
+        args.first_rungs = {impl: int(n) for impl, n in (item.split("=") for item in args.first_rung)}
+    except ValueError:
+        p.error("--first-rung takes IMPL=TOKENS, e.g. --first-rung torch_cp=344064")
+    if set(args.first_rungs) - {"ours", "torch_cp"}:
+        p.error(f"--first-rung: unknown implementation in {args.first_rung}; use ours or torch_cp")
     if args.mode != "poll" and args.host_gib is None:
         p.error("--host-gib is required: the host's memory in GiB (e.g. 512 for a machine of 4 GPUs)")
     return args
@@ -126,8 +135,11 @@ def make_ladders(args: argparse.Namespace, m: dict) -> list[Ladder]:
         ours = choose_ours(shape, world, gpu, host, unit, rung_s, args.ours_variants.split(","),
                            args.tflops, args.tile)
         cp = torch_cp_start(shape, world, gpu, host, unit, rung_s, "cpuadam" in ours["variant"], args.tflops)
-        ladders.append(Ladder(model, "ours", ours["variant"], ours["planned_max"], ours["start"], unit))
-        ladder = Ladder(model, "torch_cp", cp["variant"], cp["planned_max"], cp["start"], unit)
+        first = args.first_rungs
+        ladders.append(Ladder(model, "ours", ours["variant"], ours["planned_max"],
+                              first.get("ours", ours["start"]), unit))
+        ladder = Ladder(model, "torch_cp", cp["variant"], cp["planned_max"],
+                        first.get("torch_cp", cp["start"]), unit)
         if args.device == "cpu":
             ladder.stopped = "skipped: torch context parallel shards only the GPU SDPA kernels"
         ladders.append(ladder)

@@ -123,6 +123,7 @@ def test_summary_keys_ratio_bytes_per_token_and_rungs():
     assert s["headline_model"] == "8b"
     assert (s["max_context_ours"], s["max_context_torch_cp"]) == (983040, 655360)
     assert s["max_context_ratio"] == pytest.approx(1.5)
+    assert s["max_context_ratio_at_least"] == pytest.approx(983040 / 737280)
     assert (s["first_failed_context_ours"], s["first_failed_context_torch_cp"]) == (1105920, 737280)
     assert (s["device_bytes_per_token"], s["host_bytes_per_token"]) == (90e3, 280e3)
     assert [r["status"] for r in s["step_s_per_rung"]] == ["ok", "oom", "ok", "oom", "ok"]
@@ -133,7 +134,11 @@ def test_summary_keys_ratio_bytes_per_token_and_rungs():
     assert eight["device_bytes_per_token_torch_cp"] == 150e3 and eight["peak_gib_at_max_ours"] == [70.0] * 4
     seven = s["per_model"]["7b"]
     assert seven["max_context_ours"] == 524288 and seven["max_context_torch_cp"] is None
-    assert seven["max_context_ratio"] is None
+    assert seven["max_context_ratio"] is None and seven["max_context_ratio_at_least"] is None
+    # torch CP failed at its only rung: no ratio of longest contexts, but a bound below it
+    bracket = summarize([rows[0], {**_row(688128, "oom"), "impl": "torch_cp", "variant": "torch_cp+offload"}])
+    assert bracket["max_context_ratio"] is None
+    assert bracket["max_context_ratio_at_least"] == pytest.approx(983040 / 688128)
 
 
 @pytest.mark.slow

@@ -244,9 +244,11 @@ def rung_record(row: dict) -> dict:
 
 def summarize(rows: list[dict], ladders: dict | None = None) -> dict:
     """Per model: each implementation's longest context that trained and the shortest that failed past
-    it, their ratio, the bytes per token measured at ours' longest (device: the phase peak above the
-    weights, gradients and optimizer state; host: the step's peak resident memory above its start, per
-    token of the rank), and every rung. The top level repeats the first model's (the headline) numbers."""
+    it, their ratio (and ``max_context_ratio_at_least``: ours' longest over torch CP's first failure, a
+    bound that holds whatever torch CP's longest is, known where torch CP failed), the bytes per token
+    measured at ours' longest (device: the phase peak above the weights, gradients and optimizer state;
+    host: the step's peak resident memory above its start, per token of the rank), and every rung. The
+    top level repeats the first model's (the headline) numbers."""
     models = list(dict.fromkeys(r["model"] for r in rows))
     per_model = {}
     for model in models:
@@ -254,6 +256,8 @@ def summarize(rows: list[dict], ladders: dict | None = None) -> dict:
         entry = {**_entry(mine, "ours"), **_entry(mine, "torch_cp")}
         ours, cp = entry["max_context_ours"], entry["max_context_torch_cp"]
         entry["max_context_ratio"] = ours / cp if ours and cp else None
+        cp_failed = entry["first_failed_context_torch_cp"]
+        entry["max_context_ratio_at_least"] = ours / cp_failed if ours and cp_failed else None
         entry["device_bytes_per_token"] = entry["device_bytes_per_token_ours"]
         entry["host_bytes_per_token"] = entry["host_bytes_per_token_ours"]
         for impl in ("ours", "torch_cp"):
@@ -263,7 +267,8 @@ def summarize(rows: list[dict], ladders: dict | None = None) -> dict:
         entry["rungs"] = [rung_record(r) for r in mine]
         per_model[model] = entry
     summary: dict = {"headline_model": models[0] if models else None}
-    keys = ("max_context_ours", "max_context_torch_cp", "max_context_ratio", "device_bytes_per_token",
+    keys = ("max_context_ours", "max_context_torch_cp", "max_context_ratio", "max_context_ratio_at_least",
+            "device_bytes_per_token",
             "host_bytes_per_token", "first_failed_context_ours", "first_failed_context_torch_cp")
     head = per_model.get(models[0], {}) if models else {}
     summary.update({k: head.get(k) for k in keys})
