@@ -147,20 +147,21 @@ def parse_variant(variant: str) -> tuple[str, set]:
 def offload_option(options: set, shape, n: int, world: int, device: torch.device, budgets=(None, None),
                    base: str = "remat"):
     """What ``+offload`` / ``+offloadN`` / ``+offloadauto`` ask of ``patch_llama(offload_checkpoints=)``
-    (auto: the planner's fewest layers for ``budgets`` = (device, host) GiB per rank, each defaulting to
-    this device and host, as ``training.offload_checkpoints: auto`` decides in finetune.py)."""
+    (auto: the plan ``training.offload_checkpoints: auto`` takes in finetune.py, the planner's
+    ``choose_offload`` for ``budgets`` = (device, host) GiB per rank, each defaulting to this device and
+    host: the fewest layers under plain recompute, then the fewest offloaded; every layer offloaded, under
+    remat, when no plan fits)."""
     spec = offload_spec(options)
     if spec != "auto":
         return spec
     from lightseq_hf.memory import memory_budget
-    from lightseq_hf.planner import layers_to_offload
+    from lightseq_hf.planner import OffloadPlan, choose_offload
 
     model_shape, opts = planner_inputs("+".join([base, *sorted(options)]), shape, n, world, offload=False)
     gpu, host = memory_budget(device, world)
     gpu = gpu if budgets[0] is None else budgets[0] * 2**30
     host = host if budgets[1] is None else budgets[1] * 2**30
-    chosen = layers_to_offload(model_shape, opts, gpu, host)
-    return model_shape.layers if chosen is None else chosen
+    return choose_offload(model_shape, opts, gpu, host) or OffloadPlan(model_shape.layers)
 
 
 def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=8192, offload=False):
@@ -469,7 +470,8 @@ def planned(variant, shape, n, world, offload, tile) -> dict:
     plan = plan_memory(model_shape, dataclasses.replace(opts, optimizer_state=True))
     if offload is None:
         return {"estimated_gpu_gib": plan.peak_gpu / 2**30, "estimated_host_gib": plan.peak_host / 2**30}
-    return {"offload_layers": offload, "planned_gpu_gib": plan.peak_gpu / 2**30,
+    layers, recompute = (offload.layers, offload.recompute) if hasattr(offload, "recompute") else (offload, 0)
+    return {"offload_layers": layers, "recompute_layers": recompute, "planned_gpu_gib": plan.peak_gpu / 2**30,
             "planned_host_gib": plan.peak_host / 2**30}
 
 

@@ -33,6 +33,7 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ from benchlib.results import device_slug, today  # noqa: E402
 from benchlib.workloads import SHAPES  # noqa: E402
 
 STATE = "maxctx-ladder-state.json"
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b: ")
 LOG = "maxctx-ladder.log"
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                  "NVSHMEM_DISABLE_NVLS": "1"}
@@ -186,6 +188,22 @@ def time_limit(estimate: dict) -> float:
     return 1.5 * estimate["total_s"] + 60
 
 
+def why_the_launch_failed(lines: list[str], code: int) -> dict:
+    """The error of a rung whose ranks wrote no row, from its log: an out-of-memory message (NCCL's can
+    end a process from its watchdog thread), a rank killed by SIGKILL (what the kernel's out-of-memory
+    killer sends when the host's memory runs out: a host out-of-memory), else the first exception line."""
+    oom = next((line for line in lines if "out of memory" in line.lower()), None)
+    if oom:
+        return {"error": "out of memory", "oom_message": oom[:400]}
+    if any("Signal 9 (SIGKILL)" in line or "exitcode: -9" in line for line in lines):
+        return {"error": "out of memory", "failed_phase": "host",
+                "oom_message": "a rank was killed by SIGKILL: the host's out-of-memory killer, most likely "
+                               "(nothing else on these machines sends it)"}
+    raised = next((line.strip() for line in lines if EXCEPTION_LINE.match(line.strip())), None)
+    return {"error": f"exit status {code}: " + (raised[:400] if raised else
+                                               " | ".join(line[:200] for line in lines[-15:]))}
+
+
 def run_rung(args: argparse.Namespace, m: dict, ladder: Ladder, n: int, estimate: dict,
              limit: float | None = None) -> dict:
     """Launch one rung under its time limit; ``{"row", "meta"}``: bench_train's row and metadata, or a
@@ -229,11 +247,8 @@ def run_rung(args: argparse.Namespace, m: dict, ladder: Ladder, n: int, estimate
             row["failed_ranks"] = [int(p.name.rsplit("rank", 1)[1]) for p in failed]
         elif code is None:
             row["error"] = f"time limit ({limit:.0f} s)"
-        else:  # no rank said why: NCCL's out of memory can end a process from its watchdog thread
-            lines = log.read_text(errors="replace").splitlines()
-            oom = next((line for line in lines if "out of memory" in line.lower()), None)
-            row.update({"error": "out of memory", "oom_message": oom[:400]} if oom else
-                       {"error": f"exit status {code}: " + " | ".join(line[:200] for line in lines[-15:])})
+        else:
+            row.update(why_the_launch_failed(log.read_text(errors="replace").splitlines(), code))
     row.update(model=ladder.model, impl=ladder.impl, wall_s=wall, estimated_s=estimate["total_s"],
                time_limit_s=limit, log=str(log.relative_to(Path(args.out))))
     return {"row": row, "meta": meta}

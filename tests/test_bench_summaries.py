@@ -170,3 +170,23 @@ def test_dist_replay_runs_each_ranks_own_tasks():
                                    False, 0.25)
     run()
     assert calls == [2, 0]
+
+
+def test_offloadauto_rungs_take_the_plan_finetune_takes(bench_train):
+    """``+offloadauto`` resolves as ``training.offload_checkpoints: auto`` does (the planner's
+    ``choose_offload``, plain recompute included), so a rung runs the plan that chose its length: the
+    8B shape at 504K on 2 x 80 GB with 115 GiB of host memory per rank needs plain recompute."""
+    from benchlib.ladder import planner_inputs
+    from benchlib.workloads import SHAPES
+
+    from lightseq_hf.planner import choose_offload
+
+    gpu_gib, host_gib, n = 75.7, 115.2, 516096
+    got = bench_train.offload_option({"offloadauto", "tiled", "cpuadam"}, SHAPES["8b"], n, 2,
+                                     torch.device("cpu"), (gpu_gib, host_gib), "remat")
+    model, opts = planner_inputs("remat+offloadauto+tiled+cpuadam", SHAPES["8b"], n, 2)
+    assert got == choose_offload(model, opts, gpu_gib * 2**30, host_gib * 2**30)
+    assert got.recompute > 0 and got.layers >= got.recompute
+    row = bench_train.planned("remat+offloadauto+tiled+cpuadam", SHAPES["8b"], n, 2, got, 8192)
+    assert (row["offload_layers"], row["recompute_layers"]) == (got.layers, got.recompute)
+    assert row["planned_host_gib"] <= host_gib

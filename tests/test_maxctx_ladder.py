@@ -264,3 +264,19 @@ def test_a_second_run_the_same_day_adds_to_the_results(tmp_path):
     assert run.meta["models"] == {"7b": "Llama-2-7B", "tiny": "tiny"}
     path.write_text(json.dumps({"rows": [], "summary": {}}))  # a bench_train.py --maxctx file
     assert runner.results_file(args, m)[0].name.endswith("-ladder.json")
+
+
+def test_a_launch_that_wrote_no_row_says_why():
+    from maxctx_ladder import why_the_launch_failed
+
+    from benchlib.ladder import rung_status
+
+    trailer = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "  rank      : 0"]
+    killed = why_the_launch_failed([*trailer, "  exitcode  : -9 (pid: 1352)",
+                                    "  traceback : Signal 9 (SIGKILL) received by PID 1352"], 1)
+    assert rung_status(killed) == "oom" and killed["failed_phase"] == "host"
+    missing = why_the_launch_failed(["Traceback (most recent call last):", '  File "x.py", line 1',
+                                     "ModuleNotFoundError: No module named 'pydantic'", *trailer], 1)
+    assert rung_status(missing) == "error" and "No module named 'pydantic'" in missing["error"]
+    nccl = why_the_launch_failed(["NCCL WARN Cuda failure 'out of memory'", *trailer], 1)
+    assert rung_status(nccl) == "oom"
