@@ -267,9 +267,8 @@ def test_a_second_run_the_same_day_adds_to_the_results(tmp_path):
 
 
 def test_a_launch_that_wrote_no_row_says_why():
-    from maxctx_ladder import why_the_launch_failed
-
     from benchlib.ladder import rung_status
+    from maxctx_ladder import why_the_launch_failed
 
     trailer = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "  rank      : 0"]
     killed = why_the_launch_failed([*trailer, "  exitcode  : -9 (pid: 1352)",
