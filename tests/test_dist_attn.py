@@ -126,12 +126,17 @@ def test_unequal_shards_fail_on_every_rank_without_hanging():
 
 
 def worker_out_only_kernel(rank, world):
-    """Kernels that need the output rows in backward (like SDPA) get them shipped instead of delta."""
+    """Kernels that need the output rows in backward (like SDPA) get them, the rows of another rank as a
+    stand-in with the same row sums: exact, and the backward sends what it sends for a kernel taking
+    delta (the output rows never travel)."""
     from dataclasses import replace
 
     import lightseq_hf
-    from lightseq_hf.kernels import register_backend
+    from lightseq_hf.kernels import register_backend, unregister_backend
     from lightseq_hf.kernels.reference import ReferenceKernel
+    from lightseq_hf.parallel import comm
+
+    stand_ins = []
 
     class OutOnly(ReferenceKernel):
         name = "out_only"
@@ -139,6 +144,9 @@ def worker_out_only_kernel(rank, world):
 
         def _backward(self, dout, q, k, v, out, lse, mask, *, delta, **kw):
             assert out is not None and delta is None
+            # a stand-in is a multiple of dout row by row: |<dout, out>| == |dout| |out|
+            cos = (dout * out).sum(-1).abs() / (dout.norm(dim=-1) * out.norm(dim=-1)).clamp_min(1e-300)
+            stand_ins.append(bool(torch.allclose(cos, torch.ones_like(cos))))
             return super()._backward(dout, q, k, v, out, lse, mask, delta=delta, **kw)
 
     register_backend("out_only", OutOnly)
@@ -148,11 +156,25 @@ def worker_out_only_kernel(rank, world):
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
     naive_attention(qr, kr, vr, True)[0].backward(dout)
     sl = slice(rank * 24, (rank + 1) * 24)
-    got = run_attention(q, k, v, dout, rank=rank, world=world, dtype=torch.float64, backend="out_only")
-    for name, x, ref in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]),
-                            (refs[0], qr.grad, kr.grad, vr.grad)):
-        if rel_err(x, ref[:, sl]) > 1e-10:
-            failures.append(f"rank {rank}: {name} off with an out-only kernel")
+    sent = {}
+    post = comm.PeerComm.post
+    for backend in ("out_only", "reference"):
+        sent[backend] = 0
+
+        def counting_post(self, transfers, backend=backend):
+            sent[backend] += sum(t.numel() * t.element_size() for _, t in transfers.sends)
+            return post(self, transfers)
+
+        with pytest.MonkeyPatch.context() as patches:
+            patches.setattr(comm.PeerComm, "post", counting_post)
+            got = run_attention(q, k, v, dout, rank=rank, world=world, dtype=torch.float64, backend=backend)
+        for name, x, ref in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]),
+                                (refs[0], qr.grad, kr.grad, vr.grad)):
+            if rel_err(x, ref[:, sl]) > 1e-10:
+                failures.append(f"rank {rank}: {name} off with backend {backend}")
+    if sent["out_only"] != sent["reference"]:
+        failures.append(f"rank {rank}: an out-only kernel's run sent {sent['out_only']} bytes, a delta "
+                        f"kernel's {sent['reference']}: output rows travelled")
     try:
         qs = q[:, sl].clone().requires_grad_()
         _, lse = lightseq_hf.dist_flash_attn(qs, k[:, sl], v[:, sl], return_lse=True, backend="out_only")
@@ -161,12 +183,38 @@ def worker_out_only_kernel(rank, world):
     except ValueError as e:
         if "lse" not in str(e):
             failures.append(f"unhelpful message: {e}")
-    return failures
+    unregister_backend("out_only")
+    return failures, stand_ins
 
 
 def test_kernels_needing_out_in_backward_get_it():
-    failures = [f for rank_failures in run_distributed(worker_out_only_kernel, 3) for f in rank_failures]
+    per_rank = run_distributed(worker_out_only_kernel, 3)
+    failures = [f for rank_failures, _ in per_rank for f in rank_failures]
     assert not failures, "\n".join(failures)
+    stand_ins = [s for _, rank_stand_ins in per_rank for s in rank_stand_ins]
+    assert True in stand_ins, "no task computed another rank's rows: the schedule did not split the work"
+    assert False in stand_ins, "no task got its own output rows"
+
+
+def test_stand_in_output_has_the_row_sums_of_the_output():
+    from lightseq_hf.parallel import dist_attn
+
+    g = torch.Generator().manual_seed(3)
+    dout, out = (torch.randn(2, 10, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    dout[0, 3, 1] = 0  # a row that receives no gradient
+    with pytest.MonkeyPatch.context() as patches:
+        patches.setattr(dist_attn, "ROW_PASS", 3)  # several passes, the last one short
+        delta = dist_attn.row_deltas(dout, out)
+        stand_in = dist_attn.stand_in_output(dout, delta)
+    assert torch.allclose(delta, (dout * out).sum(-1).transpose(1, 2), rtol=1e-12, atol=0)
+    assert stand_in.shape == dout.shape and stand_in.dtype == dout.dtype
+    assert torch.allclose((dout * stand_in).sum(-1).transpose(1, 2), delta, rtol=1e-12, atol=1e-15)
+    assert torch.count_nonzero(stand_in[0, 3, 1]) == 0
+    # in bf16 the row sums hold to bf16 rounding of the stand-in, relative to delta itself
+    bf = dout.bfloat16()
+    delta32 = dist_attn.row_deltas(bf, out.bfloat16())
+    got = (bf.float() * dist_attn.stand_in_output(bf, delta32).float()).sum(-1).transpose(1, 2)
+    assert ((got - delta32).abs() <= 2**-8 * delta32.abs() + 1e-6).all()
 
 
 def worker_triton_interpreter(rank, world):

@@ -12,6 +12,10 @@ place for the rank's own query rows; a helper computes a partial result and send
 back (out in the input dtype, lse in float32), where it is merged in float32. Backward
 mirrors the forward: whoever computed a block computes its gradient, dq goes to the
 query owner and dk/dv to the key owner (in the input dtype), all accumulated in float32.
+The query side of a backward task is q, dout, the lse and delta = rowsum(dout * out) (one
+number per row and head); a kernel that takes the output rows instead of delta (SDPA) gets,
+for another rank's rows, a stand-in with the same row sums (:func:`stand_in_output`), so the
+output rows themselves never travel.
 """
 
 from __future__ import annotations
@@ -67,6 +71,38 @@ def _keys(t: torch.Tensor, task: Task) -> torch.Tensor:
     """The keys of ``t`` (``(batch, seq, heads, dim)``) that ``task`` reads."""
     start, stop = task.keys(t.shape[1])
     return t.narrow(1, start, stop - start)
+
+
+#: rows per pass of :func:`row_deltas` and :func:`stand_in_output`: their float32 temporaries stay this
+#: many rows (times heads x head dim) whatever the shard's length
+ROW_PASS = 4096
+
+
+def row_deltas(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)`` (float64 for float64 inputs), a pass of
+    :data:`ROW_PASS` rows at a time (its float32 products never span the shard)."""
+    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
+    delta = torch.empty(out.shape[0], out.shape[2], out.shape[1], dtype=acc, device=out.device)
+    for start in range(0, out.shape[1], ROW_PASS):
+        stop = min(start + ROW_PASS, out.shape[1])
+        delta[:, :, start:stop] = attention_delta(dout[:, start:stop], out[:, start:stop])
+    return delta
+
+
+def stand_in_output(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """Rows ``o`` in ``dout``'s layout and dtype with ``rowsum(dout * o) == delta``: ``o = delta / |dout|^2 *
+    dout`` (zero where a row of ``dout`` is zero, whose delta is zero too). A backward that reads the output
+    only through these row sums (SDPA's, FlashAttention's) gives the same gradients with it, so a helper
+    receives one number per row and head instead of the output rows."""
+    acc = delta.dtype
+    o = torch.empty_like(dout)
+    for start in range(0, dout.shape[1], ROW_PASS):
+        stop = min(start + ROW_PASS, dout.shape[1])
+        rows = dout[:, start:stop].to(acc)
+        norm = rows.square().sum(-1)  # (batch, rows, heads)
+        scale = delta[:, :, start:stop].transpose(1, 2) / torch.where(norm > 0, norm, 1)
+        o[:, start:stop] = (rows * scale.unsqueeze(-1)).to(o.dtype)
+    return o
 
 
 def _buffer_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -291,7 +327,7 @@ def dist_attn_backward(
             f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
             "backend='triton' or 'reference', or do not use the lse in the loss."
         )
-    delta = None if needs_out else attention_delta(dout, out)
+    delta = row_deltas(dout, out)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -301,15 +337,12 @@ def dist_attn_backward(
     dout = dout.contiguous()
     chunk = q.shape[1]
 
-    # Kernels that cannot take delta (SDPA) get the output rows instead.
-    row_stat, row_stat_dim = (out, 1) if needs_out else (delta, 2)
-
     def q_rows(task: Task) -> Bundle:
         return {
             "q": _rows(q, task, 1),
             "dout": _rows(dout, task, 1),
             "lse": _rows(lse, task, 2),
-            "stat": _rows(row_stat, task, row_stat_dim),
+            "delta": _rows(delta, task, 2),
         }
 
     def plan_inputs(t: int):
@@ -320,7 +353,10 @@ def dist_attn_backward(
         if task is None:
             return None
         own_q, own_kv = task.q_owner == rank, task.kv_owner == rank
-        row_out, row_delta = (q_in["stat"], None) if needs_out else (None, q_in["stat"])
+        row_out, row_delta = None, q_in["delta"]
+        if needs_out:  # kernels that cannot take delta (SDPA) get output rows with the same row sums
+            row_out = _rows(out, task, 1) if own_q else stand_in_output(q_in["dout"], row_delta)
+            row_delta = None
         grads = kernel.backward(
             q_in["dout"], q_in["q"], kv_in["k"], kv_in["v"], row_out, q_in["lse"],
             scale=scale, mask=masks.for_task(task, chunk), delta=row_delta,
