@@ -215,6 +215,14 @@ def test_stand_in_output_has_the_row_sums_of_the_output():
     delta32 = dist_attn.row_deltas(bf, out.bfloat16())
     got = (bf.float() * dist_attn.stand_in_output(bf, delta32).float()).sum(-1).transpose(1, 2)
     assert ((got - delta32).abs() <= 2**-8 * delta32.abs() + 1e-6).all()
+    # gradients far outside the squares' float32 range keep their row sums
+    for size in (1e25, 1e-25):
+        big = (dout * size).float()
+        delta_big = dist_attn.row_deltas(big, out.float())
+        stand_in = dist_attn.stand_in_output(big, delta_big)
+        assert torch.isfinite(stand_in).all()
+        sums = (big.double() * stand_in.double()).sum(-1).transpose(1, 2)
+        assert torch.allclose(sums, delta_big.double(), rtol=1e-5, atol=0), size
 
 
 def worker_triton_interpreter(rank, world):

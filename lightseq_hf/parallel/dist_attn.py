@@ -93,15 +93,19 @@ def stand_in_output(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """Rows ``o`` in ``dout``'s layout and dtype with ``rowsum(dout * o) == delta``: ``o = delta / |dout|^2 *
     dout`` (zero where a row of ``dout`` is zero, whose delta is zero too). A backward that reads the output
     only through these row sums (SDPA's, FlashAttention's) gives the same gradients with it, so a helper
-    receives one number per row and head instead of the output rows."""
+    receives one number per row and head instead of the output rows. Each row is scaled by its largest
+    entry first, so no square overflows or underflows; ``|o| <= |out|`` row by row (Cauchy-Schwarz)."""
     acc = delta.dtype
     o = torch.empty_like(dout)
     for start in range(0, dout.shape[1], ROW_PASS):
         stop = min(start + ROW_PASS, dout.shape[1])
         rows = dout[:, start:stop].to(acc)
-        norm = rows.square().sum(-1)  # (batch, rows, heads)
-        scale = delta[:, :, start:stop].transpose(1, 2) / torch.where(norm > 0, norm, 1)
-        o[:, start:stop] = (rows * scale.unsqueeze(-1)).to(o.dtype)
+        peak = rows.abs().amax(-1)  # (batch, rows, heads)
+        peak = torch.where(peak > 0, peak, 1)
+        unit = rows / peak.unsqueeze(-1)
+        norm = unit.square().sum(-1)  # between 1 and head_dim, or 0 for a zero row
+        scale = delta[:, :, start:stop].transpose(1, 2) / (torch.where(norm > 0, norm, 1) * peak)
+        o[:, start:stop] = (unit * scale.unsqueeze(-1)).to(o.dtype)
     return o
 
 
