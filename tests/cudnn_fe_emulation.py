@@ -218,12 +218,9 @@ def distributed_check(rank: int, world: int) -> list[str]:
     """In a spawned gloo worker: ``dist_flash_attn(backend="cudnn_fe")`` over packed rows (emulated op,
     float64) against the per-document reference, with one forward op call per scheduled task of this rank;
     documents with key lengths 64 mod 128 and the emulated NaN-dQ defect included."""
-    from distributed import rel_err
-    from doc_reference import per_document_attention, random_docs
+    from doc_reference import packed_distributed_runs, random_docs
 
-    import lightseq_hf
     from lightseq_hf.parallel.segment_schedule import build_segment_schedule
-    from lightseq_hf.parallel.segments import Segments
 
     emu = install(nan_dq_hazard=True)
     n_local = 160
@@ -236,29 +233,16 @@ def distributed_check(rank: int, world: int) -> list[str]:
              ("key lengths 64 mod 128, tiny lse", (hazard,), True),
              ("one document", (((0, n),), ((1, n),)), True)]
     failures = []
-    sl = slice(rank * n_local, (rank + 1) * n_local)
-    for i, (name, docs, causal) in enumerate(cases):
-        g = torch.Generator().manual_seed(500 + i)
-        batch = len(docs)
-        q, dout = (torch.randn(batch, n, 4, 8, generator=g, dtype=torch.float64) for _ in "qd")
-        k, v = (torch.randn(batch, n, 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
+
+    def scores_far_below_exp_range(name, q, k):
         if "tiny" in name:  # scores far below -88.7: the rows' lse too
             q[..., 0], k[..., 0] = -40.0, 40.0
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref_out, ref_lse = per_document_attention(qr, kr, vr, docs, causal=causal)
-        ref_out.backward(dout)
-        refs = (ref_out[:, sl], ref_lse[:, :, sl], qr.grad[:, sl], kr.grad[:, sl], vr.grad[:, sl])
-        qs, ks, vs = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
-        seg = Segments(n, docs)
-        emu.calls.clear()
-        out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, causal=causal, backend="cudnn_fe",
-                                               return_lse=True)
-        out.backward(dout[:, sl])
-        got = (out, lse, qs.grad, ks.grad, vs.grad)
-        for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
-            err = rel_err(x, ref)
-            if not err < 1e-10:
-                failures.append(f"cudnn_fe world {world} rank {rank} [{name}]: {label} err {err:.2e}")
+
+    runs = packed_distributed_runs(rank, world, n_local, cases, backend="cudnn_fe", seed=500,
+                                   before_run=emu.calls.clear, adjust=scores_far_below_exp_range)
+    for name, causal, seg, errors in runs:
+        failures += [f"cudnn_fe world {world} rank {rank} [{name}]: {label} err {err:.2e}"
+                     for label, err in errors.items() if not err < 1e-10]
         mine = sum(step[rank] is not None for step in build_segment_schedule(world, seg, causal).steps)
         forwards = [c for c in emu.calls if c["op"] == "forward"]
         backwards = [c for c in emu.calls if c["op"] == "backward"]

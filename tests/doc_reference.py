@@ -71,3 +71,38 @@ def random_docs(gen, batch, length, *, pad_left=False, pad_right=False, min_len=
             t = stop
         rows.append(tuple(docs))
     return tuple(rows)
+
+
+def packed_distributed_runs(rank, world, n_local, cases, *, backend, seed, before_run=None, adjust=None):
+    """In a spawned worker: for each ``(name, docs, causal)`` of ``cases``, ``dist_flash_attn`` over this
+    rank's packed rows (float64, 4/2 heads of dim 8) against :func:`per_document_attention`. Yields ``(name,
+    causal, segments, errors)``, ``errors`` the relative error of out, lse, dq, dk and dv, after the run
+    (``before_run()`` comes before it; ``adjust(name, q, k)`` may change the inputs first)."""
+    from distributed import rel_err
+
+    import lightseq_hf
+    from lightseq_hf.parallel.segments import Segments
+
+    n = n_local * world
+    sl = slice(rank * n_local, (rank + 1) * n_local)
+    for i, (name, docs, causal) in enumerate(cases):
+        g = torch.Generator().manual_seed(seed + i)
+        batch = len(docs)
+        q, dout = (torch.randn(batch, n, 4, 8, generator=g, dtype=torch.float64) for _ in "qd")
+        k, v = (torch.randn(batch, n, 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
+        if adjust is not None:
+            adjust(name, q, k)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref_out, ref_lse = per_document_attention(qr, kr, vr, docs, causal=causal)
+        ref_out.backward(dout)
+        refs = (ref_out[:, sl], ref_lse[:, :, sl], qr.grad[:, sl], kr.grad[:, sl], vr.grad[:, sl])
+        qs, ks, vs = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
+        seg = Segments(n, docs)
+        if before_run is not None:
+            before_run()
+        out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, causal=causal, backend=backend,
+                                               return_lse=True)
+        out.backward(dout[:, sl])
+        got = (out, lse, qs.grad, ks.grad, vs.grad)
+        yield name, causal, seg, {label: rel_err(x, ref) for label, x, ref in
+                                  zip(("out", "lse", "dq", "dk", "dv"), got, refs)}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-from distributed import rel_err
 
 
 def _blocks(cu_q, cu_k):
@@ -111,11 +110,9 @@ def install(padded_lse: bool = False, setattr_=setattr) -> Emulation:
 def distributed_check(rank: int, world: int) -> list[str]:
     """In a spawned gloo worker: ``dist_flash_attn(backend="flash_varlen")`` over packed rows (emulated op,
     float64) against the per-document reference, and one varlen call per scheduled task of this rank."""
-    from doc_reference import per_document_attention, random_docs
+    from doc_reference import packed_distributed_runs, random_docs
 
-    import lightseq_hf
     from lightseq_hf.parallel.segment_schedule import build_segment_schedule
-    from lightseq_hf.parallel.segments import Segments
 
     emu = install()
     n_local = 16
@@ -127,27 +124,11 @@ def distributed_check(rank: int, world: int) -> list[str]:
              ("padding + all-padding row", (padded, ()), True),
              ("one document", (((0, n),), ((1, n),)), True)]
     failures = []
-    sl = slice(rank * n_local, (rank + 1) * n_local)
-    for i, (name, docs, causal) in enumerate(cases):
-        g = torch.Generator().manual_seed(300 + i)
-        batch = len(docs)
-        q, dout = (torch.randn(batch, n, 4, 8, generator=g, dtype=torch.float64) for _ in "qd")
-        k, v = (torch.randn(batch, n, 2, 8, generator=g, dtype=torch.float64) for _ in "kv")
-        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        ref_out, ref_lse = per_document_attention(qr, kr, vr, docs, causal=causal)
-        ref_out.backward(dout)
-        refs = (ref_out[:, sl], ref_lse[:, :, sl], qr.grad[:, sl], kr.grad[:, sl], vr.grad[:, sl])
-        qs, ks, vs = (t[:, sl].clone().requires_grad_() for t in (q, k, v))
-        seg = Segments(n, docs)
-        emu.calls.clear()
-        out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, causal=causal,
-                                               backend="flash_varlen", return_lse=True)
-        out.backward(dout[:, sl])
-        got = (out, lse, qs.grad, ks.grad, vs.grad)
-        for label, x, ref in zip(("out", "lse", "dq", "dk", "dv"), got, refs):
-            err = rel_err(x, ref)
-            if not err < 1e-10:
-                failures.append(f"flash_varlen world {world} rank {rank} [{name}]: {label} err {err:.2e}")
+    runs = packed_distributed_runs(rank, world, n_local, cases, backend="flash_varlen", seed=300,
+                                   before_run=emu.calls.clear)
+    for name, causal, seg, errors in runs:
+        failures += [f"flash_varlen world {world} rank {rank} [{name}]: {label} err {err:.2e}"
+                     for label, err in errors.items() if not err < 1e-10]
         mine = sum(step[rank] is not None for step in build_segment_schedule(world, seg, causal).steps)
         ops = [c[0] for c in emu.calls]
         if ops.count("forward") != mine or ops.count("backward") != mine:
