@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-from ..kernels.base import AttentionKernel, AttentionMask, DocBlocks, KeyRange, attention_delta
+from ..kernels.base import (
+    AttentionKernel,
+    AttentionMask,
+    DocBlocks,
+    KeyRange,
+    attention_delta,
+    stand_in_output,
+)
 from .comm import PeerComm, Transfers
 from .merge import empty_running, merge_into
 from .schedule import Schedule, SpanTask, Task
@@ -71,42 +78,6 @@ def _keys(t: torch.Tensor, task: Task) -> torch.Tensor:
     """The keys of ``t`` (``(batch, seq, heads, dim)``) that ``task`` reads."""
     start, stop = task.keys(t.shape[1])
     return t.narrow(1, start, stop - start)
-
-
-#: rows per pass of :func:`row_deltas` and :func:`stand_in_output`: their float32 temporaries stay this
-#: many rows (times heads x head dim) whatever the shard's length
-ROW_PASS = 4096
-
-
-def row_deltas(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)`` (float64 for float64 inputs), a pass of
-    :data:`ROW_PASS` rows at a time (its float32 products never span the shard)."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    delta = torch.empty(out.shape[0], out.shape[2], out.shape[1], dtype=acc, device=out.device)
-    for start in range(0, out.shape[1], ROW_PASS):
-        stop = min(start + ROW_PASS, out.shape[1])
-        delta[:, :, start:stop] = attention_delta(dout[:, start:stop], out[:, start:stop])
-    return delta
-
-
-def stand_in_output(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """Rows ``o`` in ``dout``'s layout and dtype with ``rowsum(dout * o) == delta``: ``o = delta / |dout|^2 *
-    dout`` (zero where a row of ``dout`` is zero, whose delta is zero too). A backward that reads the output
-    only through these row sums (SDPA's, FlashAttention's) gives the same gradients with it, so a helper
-    receives one number per row and head instead of the output rows. Each row is scaled by its largest
-    entry first, so no square overflows or underflows; ``|o| <= |out|`` row by row (Cauchy-Schwarz)."""
-    acc = delta.dtype
-    o = torch.empty_like(dout)
-    for start in range(0, dout.shape[1], ROW_PASS):
-        stop = min(start + ROW_PASS, dout.shape[1])
-        rows = dout[:, start:stop].to(acc)
-        peak = rows.abs().amax(-1)  # (batch, rows, heads)
-        peak = torch.where(peak > 0, peak, 1)
-        unit = rows / peak.unsqueeze(-1)
-        norm = unit.square().sum(-1)  # between 1 and head_dim, or 0 for a zero row
-        scale = delta[:, :, start:stop].transpose(1, 2) / (torch.where(norm > 0, norm, 1) * peak)
-        o[:, start:stop] = (unit * scale.unsqueeze(-1)).to(o.dtype)
-    return o
 
 
 def _buffer_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -331,7 +302,7 @@ def dist_attn_backward(
             f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
             "backend='triton' or 'reference', or do not use the lse in the loss."
         )
-    delta = row_deltas(dout, out)
+    delta = attention_delta(dout, out)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -101,14 +101,14 @@ def test_gqa_backward_holds_no_expanded_keys_values():
 def test_sdpa_backward_reads_the_output_only_through_its_row_sums(flavor):
     """The distributed loop gives the SDPA kernels, for another rank's rows, a stand-in output with the
     same row sums (``stand_in_output``): their gradients must match those of the real output."""
-    from lightseq_hf.parallel.dist_attn import row_deltas, stand_in_output
+    from lightseq_hf.kernels.base import attention_delta, stand_in_output
 
     n, h, hk, d = 4096, 16, 4, 128
     q, k, v, dout = (t.bfloat16() for t in _inputs(n, h, hk, d, seed=11))
     kernel = SdpaKernel(flavor)
     out, lse = kernel.forward(q, k, v, causal=True, scale=d ** -0.5)
     real = kernel.backward(dout, q, k, v, out, lse, causal=True, scale=d ** -0.5)
-    stand_in = stand_in_output(dout, row_deltas(dout, out))
+    stand_in = stand_in_output(dout, attention_delta(dout, out))
     got = kernel.backward(dout, q, k, v, stand_in, lse, causal=True, scale=d ** -0.5)
     for name, a, b in zip(("dq", "dk", "dv"), got, real):
         assert rel_err(a, b) <= 4e-3, f"{flavor} {name}: {rel_err(a, b):.2e}"
