@@ -47,9 +47,9 @@ def measure_ceilings(torch, do_bench) -> dict:
 def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> dict:
     """Closures over one shape's random inputs (bf16; float32 on the CPU): ``ours_fwd``, ``ours_fwd_bwd``,
     ``ours_bwd`` (the backward alone, of a forward made here; the only holder of its out and lse),
-    ``sdpa_fwd(backend)``, ``sdpa_fwd_bwd(backend)``; with ``sdpa_grads`` (the SDPA inputs, whose gradients
-    the timer drops) and ``rel_err_vs_flash`` (ours against SDPA flash, checked before any timing;
-    ``rel_err_vs_math`` against math SDPA on the CPU)."""
+    ``sdpa_fwd(backend, expanded=False)``, ``sdpa_fwd_bwd(backend, expanded=False)``; with ``sdpa_grads``
+    (the SDPA inputs, whose gradients the timer drops) and ``rel_err_vs_flash`` (ours against SDPA flash,
+    checked before any timing; ``rel_err_vs_math`` against math SDPA on the CPU)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -73,34 +73,27 @@ def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> d
         o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
         return kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
 
-    def sdpa_fwd(be):
-        with sdpa_kernel(be), torch.no_grad():
-            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
-
-    def sdpa_fwd_bwd(be):
+    def sdpa(be, expanded=False):
+        """torch SDPA with GQA heads in place, or (``expanded``) the way Transformers' SDPA attention calls
+        it: keys/values repeated to every query head."""
+        keys, values = (t.repeat_interleave(h // hk, 1) for t in (kt, vt)) if expanded else (kt, vt)
         with sdpa_kernel(be):
-            o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, scale=scale, enable_gqa=gqa)
-        o.backward(dot)
+            return F.scaled_dot_product_attention(qt, keys, values, is_causal=causal, scale=scale,
+                                                  enable_gqa=gqa and not expanded)
 
-    def expanded_fwd(be):
-        """GQA the way Transformers' SDPA attention calls it: keys/values repeated to every query head."""
-        with sdpa_kernel(be), torch.no_grad():
-            ke, ve = (t.repeat_interleave(h // hk, 1) for t in (kt, vt))
-            return F.scaled_dot_product_attention(qt, ke, ve, is_causal=causal, scale=scale)
+    def sdpa_fwd(be, expanded=False):
+        with torch.no_grad():
+            return sdpa(be, expanded)
 
-    def expanded_fwd_bwd(be):
-        with sdpa_kernel(be):
-            ke, ve = (t.repeat_interleave(h // hk, 1) for t in (kt, vt))
-            o = F.scaled_dot_product_attention(qt, ke, ve, is_causal=causal, scale=scale)
-        o.backward(dot)
+    def sdpa_fwd_bwd(be, expanded=False):
+        sdpa(be, expanded).backward(dot)
 
     o, lse = ours_fwd()
     reference, backend = ("flash", SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else \
         ("math", SDPBackend.MATH)
     err = rel_err(o.transpose(1, 2), sdpa_fwd(backend))
     return {"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd, "sdpa_fwd": sdpa_fwd,
-            "sdpa_fwd_bwd": sdpa_fwd_bwd, "expanded_fwd": expanded_fwd, "expanded_fwd_bwd": expanded_fwd_bwd,
-            "sdpa_grads": [qt, kt, vt], f"rel_err_vs_{reference}": err,
+            "sdpa_fwd_bwd": sdpa_fwd_bwd, "sdpa_grads": [qt, kt, vt], f"rel_err_vs_{reference}": err,
             "ours_bwd": lambda: kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
 
 
@@ -121,8 +114,7 @@ def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int,
         ms.update({impl: bench(lambda be=be: sdpa(be), fns["sdpa_grads"]) if device.type == "cuda" else None
                    for impl, be in backends.items()})
         if h != hk and device.type == "cuda":
-            expanded = fns[f"expanded_{mode}"]
-            ms["cudnn_expanded"] = bench(lambda: expanded(backends["cudnn"]), fns["sdpa_grads"])
+            ms["cudnn_expanded"] = bench(lambda: sdpa(backends["cudnn"], True), fns["sdpa_grads"])
         fl = attention_flops(1, h, n, d, causal=causal, with_bwd=mode == "fwd_bwd")
         row[mode] = {impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9} for impl, t in ms.items()}
         for impl in (i for i in ms if i != "ours"):
