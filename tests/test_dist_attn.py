@@ -197,7 +197,7 @@ def test_kernels_needing_out_in_backward_get_it():
 
 
 def test_stand_in_output_has_the_row_sums_of_the_output():
-    from lightseq_hf.kernels import base
+    from lightseq_hf.kernels import row_stats as base
 
     g = torch.Generator().manual_seed(3)
     dout, out = (torch.randn(2, 10, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))

@@ -47,6 +47,8 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from .row_stats import ROW_PASS, attention_delta, stand_in_output  # noqa: F401 (re-exported)
+
 KeyRange = tuple[torch.Tensor, torch.Tensor]
 Rows = torch.Tensor | slice
 
@@ -401,43 +403,6 @@ class KernelBase:
 
     def _backward(self, dout, q, k, v, out, lse, mask: AttentionMask, *, scale, delta, dq, dk, dv):
         raise NotImplementedError
-
-
-#: rows per pass of :func:`attention_delta` and :func:`stand_in_output`: their float32 temporaries stay
-#: this many rows (times heads x head dim) whatever the length
-ROW_PASS = 4096
-
-
-def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``rowsum(dout * out)`` as float32 ``(batch, heads, q_len)`` (float64 for float64 inputs), a pass of
-    :data:`ROW_PASS` rows at a time (its float32 products never span the sequence)."""
-    acc = torch.float64 if out.dtype == torch.float64 else torch.float32
-    delta = torch.empty(out.shape[0], out.shape[2], out.shape[1], dtype=acc, device=out.device)
-    for start in range(0, out.shape[1], ROW_PASS):
-        stop = min(start + ROW_PASS, out.shape[1])
-        rows = (dout[:, start:stop].to(acc) * out[:, start:stop].to(acc)).sum(dim=-1)
-        delta[:, :, start:stop] = rows.transpose(1, 2)
-    return delta
-
-
-def stand_in_output(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """Rows ``o`` in ``dout``'s layout and dtype with ``rowsum(dout * o) == delta``: ``o = delta / |dout|^2 *
-    dout`` (zero where a row of ``dout`` is zero, whose delta is zero too). A backward that reads the output
-    only through these row sums (SDPA's, FlashAttention's) gives the same gradients with it, so a helper
-    receives one number per row and head instead of the output rows. Each row is scaled by its largest
-    entry first, so no square overflows or underflows; ``|o| <= |out|`` row by row (Cauchy-Schwarz)."""
-    acc = delta.dtype
-    o = torch.empty_like(dout)
-    for start in range(0, dout.shape[1], ROW_PASS):
-        stop = min(start + ROW_PASS, dout.shape[1])
-        rows = dout[:, start:stop].to(acc)
-        peak = rows.abs().amax(-1)  # (batch, rows, heads)
-        peak = torch.where(peak > 0, peak, 1)
-        unit = rows / peak.unsqueeze(-1)
-        norm = unit.square().sum(-1)  # between 1 and head_dim, or 0 for a zero row
-        scale = delta[:, :, start:stop].transpose(1, 2) / (torch.where(norm > 0, norm, 1) * peak)
-        o[:, start:stop] = (unit * scale.unsqueeze(-1)).to(o.dtype)
-    return o
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
