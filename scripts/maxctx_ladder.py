@@ -349,6 +349,7 @@ def _climb_once(args: argparse.Namespace, m: dict, run_state: Run, ladder: Ladde
 
 def run(args: argparse.Namespace) -> None:
     """Every ladder, round by round, until none has a rung left within the budget."""
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     m = machine(args)
     ladders = make_ladders(args, m)
     run_state = Run(args, m, ladders)

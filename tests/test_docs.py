@@ -313,6 +313,7 @@ def test_readme_headline_numbers_come_from_results_files():
     packed, dist = _summary("packed-h100-x2-2026-11-26.json"), _summary("dist-h100-x4-2026-11-26.json")
     (ft,) = json.loads((RESULTS / "finetune-h100-x4-2026-11-26.json").read_text())["rows"]
     per_token = _summary("bytes-per-token-h100-x1-2026-11-26-8b.json")
+    ladder = _summary("maxctx-h100-x2-2026-11-26.json")
     long_rows = _summary("bytes-per-token-h100-x1-2026-11-26-8b-4-layers.json")
     checkpointing, attention = _four_gpu_gain_split()
     assert 0.75 <= checkpointing <= 0.85 and "four fifths of the 4-GPU gain is checkpointing" in text
@@ -335,7 +336,11 @@ def test_readme_headline_numbers_come_from_results_files():
         f"{packed['packed_vs_unpacked_64k']:.1f}x faster than the same tokens",
         f"{packed['per_seq']['65536']['torch_cp_over_packed']:.1f}x faster than torch context parallel,",
         f"{packed['ring_speedup_vs_triton_64k']:.2f}x faster than our Triton kernels",
-        f"{_summary('maxctx-h200-x2-2026-11-22.json')['max_context_ours'] // 1024}K tokens on 2 x H200",
+        f"Llama-3.1-8B at {ladder['max_context_ours'] // 1024}K tokens on 2 x H100 80 GB, a full AdamW step",
+        f"{ladder['max_context_ratio']:.2f}x the longest torch context parallel trained in the same run "
+        f"({ladder['max_context_torch_cp'] // 1024}K; its host ran out at "
+        f"{ladder['first_failed_context_torch_cp'] // 1024}K)",
+        f"Llama-2-7B: {_summary('maxctx-h200-x2-2026-11-22.json')['max_context_ours'] // 1024}K on 2 x H200",
         f"{per_token['device_bytes_per_token'] / 1024:.1f} KB of device memory per token at 128K tokens",
         f"{dist['per_seq']['32768']['comm_overhead']:.1%} / {dist['per_seq']['65536']['comm_overhead']:.1%}"
         " of the attention step at 32K / 64K",

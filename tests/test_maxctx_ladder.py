@@ -266,6 +266,20 @@ def test_a_second_run_the_same_day_adds_to_the_results(tmp_path):
     assert runner.results_file(args, m)[0].name.endswith("-ladder.json")
 
 
+def test_run_in_the_foreground_makes_its_results_folder(tmp_path, monkeypatch):
+    """``run`` (what ``start`` detaches) writes its results and state into ``--out`` even when that
+    folder does not exist yet."""
+    runner = _runner()
+    out = tmp_path / "new" / "ladder"
+    args = runner.parse_args(["run", "--out", str(out), "--device", "cpu", "--gpus", "2",
+                              "--models", "tiny", "--gpu-gib", "1.6", "--host-gib", "1"])
+    monkeypatch.setattr(runner, "_climb_once", lambda *a: False)
+    runner.run(args)
+    state = json.loads((out / runner.STATE).read_text())
+    assert state["status"] == "done" and Path(state["results"]).parent == out
+    assert json.loads(Path(state["results"]).read_text())["kind"] == "maxctx-ladder"
+
+
 def test_a_launch_that_wrote_no_row_says_why():
     from benchlib.ladder import rung_status
     from maxctx_ladder import why_the_launch_failed

@@ -129,6 +129,34 @@ def test_planner_matches_committed_gpu_peaks():
     assert checked >= 14
 
 
+def test_planner_matches_the_ladders_8b_rungs():
+    """The 2 x H100 longest-context ladder (Llama-3.1-8B shape, FSDP2's CPU AdamW): ours at 512K with the
+    offload plan its rung ran (device within 2%) and torch context parallel at its longest, planned as
+    Hugging Face checkpointing with every layer input offloaded (device within 8%); the host above the
+    process itself (what each rank held at its start beyond the weights and AdamW state) within 3%."""
+    from lightseq_hf.planner import GIB, ModelShape, OffloadPlan, PlanOptions, plan_memory
+
+    data = json.loads((ROOT / "benchmarks/results/maxctx-h100-x2-2026-11-26.json").read_text())
+    trained = [row for row in data["rows"] if row.get("step_s")]
+    assert {row["impl"] for row in trained} == {"ours", "torch_cp"}
+    hidden, inter, layers, heads, kv_heads, vocab = 4096, 14336, 32, 32, 8, 128256
+    shape = ModelShape(hidden, inter, layers, heads, kv_heads, hidden // heads, vocab)
+    for row in trained:
+        ours = row["impl"] == "ours"
+        opts = PlanOptions(context=row["seq"], sp_size=2, world=2, cpu_offload=True,
+                           checkpointing="remat" if ours else "hf", tiled_mlp=8192 if ours else None,
+                           offload_checkpoints=OffloadPlan(row["offload_layers"], row["recompute_layers"])
+                           if ours else True)
+        plan = plan_memory(shape, opts)
+        device = max(row["peak_gib"])
+        assert abs(plan.peak_gpu / GIB - device) < (0.02 if ours else 0.08) * device, (row["impl"], plan)
+        held_at_start = (plan.host["weights"] + plan.host["optimizer state"]) / GIB
+        process = max(row["host_start_gib"]) - held_at_start
+        assert 0 < process < 4, process
+        host = max(row["host_peak_gib"]) - process
+        assert abs(plan.peak_host / GIB - host) < 0.03 * host, (row["impl"], plan.peak_host / GIB, host)
+
+
 def test_memory_options_move_memory():
     """Offload moves the kept tensors to the host (the device keeps the layer in backward and the input
     of the one below, prefetched), tiling lowers the layer's peak, CPU offload moves the optimizer
