@@ -6,6 +6,8 @@ this rank (:mod:`lightseq_hf.step_bytes` lists them and says why each is alive),
 (parameters, gradients and AdamW state under FSDP sharding or replicated, one layer's unsharded copy,
 one chunk of the loss's logits). Terms are added up at the moments of a step:
 
+* the forward of the last layer (the kept tensors of the layers below, and the layer's own at the
+  queries' rotary embedding or its attention);
 * the end of the forward (every checkpointed layer's kept tensors alive, and the loss's);
 * the start of backward (the loss's and the final norm's backward);
 * the backward of a layer: the kept tensors of the layers not yet reached that stay on the device, the
@@ -36,6 +38,7 @@ from .step_bytes import (
     fixed,
     kept,
     layer_backward_moment,
+    layer_forward_moment,
     layer_saved,
     loss_forward,
     mlp_backward,
@@ -56,6 +59,8 @@ _OPTIONAL_KEYS = ("num_key_value_heads", "head_dim")
 #: cards); with the default allocator, blocks split and cached by size (at an out-of-memory on 4 x H100,
 #: 2026-11-26, it held 22.3 GiB reserved but unallocated beside 52.4 GiB allocated)
 ALLOCATOR_RESERVE = {"expandable": 0.02, "default": 0.40}
+#: how the names of the forward's moments begin
+FORWARD_MOMENTS = ("forward of layer", "end of forward")
 #: device memory outside the caching allocator, estimated: the CUDA context with cuBLAS/cuDNN handles
 CUDA_CONTEXT_BYTES = GIB // 2
 #: NCCL's buffers per rank, estimated: 4 MiB (NCCL_BUFFSIZE) per channel, protocol and peer, for the
@@ -203,6 +208,13 @@ class MemoryPlan:
         """Growth of the host memory per token of this rank (offloaded checkpoints)."""
         return sum(self.host_per_token.values())
 
+    def phase_peak(self, phase: str) -> int:
+        """The largest moment of the forward (``"forward"``) or of the rest of the step (``"backward"``)."""
+        if phase not in ("forward", "backward"):
+            raise ValueError(f"phase must be 'forward' or 'backward', not {phase!r}")
+        forward = phase == "forward"
+        return max(v for k, v in self.moments.items() if k.startswith(FORWARD_MOMENTS) == forward)
+
     @property
     def device_total(self) -> int:
         """What the card must hold: the allocated peak and what is planned beside it."""
@@ -290,7 +302,15 @@ def _moments(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, state: dict[
     for offloaded, remat in modes:
         if not offloaded:
             device_kept = device_kept + total(kept(d, remat))
-    moments = {"end of forward (loss)": {**common, "kept by checkpointing": device_kept, **_loss(d, n, opts)},
+    below = Bytes()
+    for offloaded, remat in modes[:-1]:
+        if not offloaded:
+            below = below + total(kept(d, remat))
+    last = len(modes) - 1
+    moments = {f"forward of layer {last} (rotary embedding or attention)": {
+                   **common, "kept by checkpointing (layers below)": below,
+                   **layer_forward_moment(d, n, sp_size=opts.sp_size, embedding_held=last > 0)},
+               "end of forward (loss)": {**common, "kept by checkpointing": device_kept, **_loss(d, n, opts)},
                "start of backward (loss, final norm)": {**common, "kept by checkpointing": device_kept,
                                                         **head_grad, **_loss_backward(d, opts)}}
     for j in _representative_layers(modes):

@@ -217,19 +217,40 @@ def step_inputs(d: Dims, *, sp_size: int, head_dim: int) -> dict[str, Bytes]:
 
 
 def loss_forward(d: Dims, tokens: int, *, chunk: int, norm_in_loss: bool) -> dict[str, Bytes]:
-    """The loss's forward, at its end: the fused chunked loss has formed the hidden-state gradient of
-    the shard; one chunk's float32 logits, their exponentials and gradient exist at a time, and its
-    float32 head gradient. The final norm either runs on the whole shard first (its float32 copy and
+    """The loss's forward, at its largest point: the fused chunked loss has formed the hidden-state
+    gradient of the shard; of one chunk at a time, the logits in the compute dtype, their float32 copy,
+    exponentials and gradient, and that gradient in the compute dtype (copies that do not exist when the
+    compute dtype is float32); the head's gradient from that chunk in the compute dtype, and its float32
+    sum over the chunks. The final norm either runs on the whole shard first (its float32 copy and
     normalized output kept for its backward, its output the loss's input) or inside the loss, per chunk
     (only the decoder's output, the loss's input, is alive)."""
+    narrow = d.c if d.upcast else 0  # a compute-dtype copy beside a float32 one
     parts = {"hidden-state gradient (fused loss)": per_token(d.h * d.c),
-             "one chunk's float32 logits (fused loss)": rows(chunk, tokens, 3 * d.vocab * 4),
-             "head gradient (float32, fused loss)": fixed(d.vocab * d.h * 4)}
+             "one chunk's logits and their gradient (fused loss)": rows(
+                 chunk, tokens, d.vocab * (d.c + d.upcast + 2 * 4 + narrow)),
+             "head gradient: one chunk's and the float32 sum (fused loss)": fixed(d.vocab * d.h * (d.c + 4))}
     if norm_in_loss:
         parts["decoder output (the loss's input)"] = per_token(d.h * d.c)
     else:
         parts["final norm: float32 copy, normalized, output"] = per_token(d.h * (d.upcast + 4 + 2 * d.c))
     return parts
+
+
+def layer_forward_moment(d: Dims, tokens: int, *, sp_size: int, embedding_held: bool) -> dict[str, Bytes]:
+    """One checkpointed layer's forward at its largest point (no graph is kept: each temporary dies as
+    the forward goes on): the queries' rotary embedding or the distributed attention. Alive in both: the
+    layer input (the residual), the first norm's output and, from the second layer on, the embedding
+    output that the decoder's loop holds until its end. Rotary: q, k, v and three query-sized
+    temporaries (q x cos, the rotated half of q, that times sin); attention: the rotated q and k, v,
+    and :func:`attention_forward`'s tensors."""
+    alive = {"this layer: layer input": per_token(d.h * d.c),
+             "first norm's output (q/k/v projection input)": per_token(d.h * d.c)}
+    if embedding_held:
+        alive["embedding output (held by the decoder's loop)"] = per_token(d.h * d.c)
+    qkv = {"q, k, v (attention inputs)": per_token((d.q + 2 * d.kv) * d.c)}
+    rotary = {**alive, **qkv, "rotary embedding: three query-sized temporaries": per_token(3 * d.q * d.c)}
+    attention = {**alive, **qkv, **attention_forward(d, sp_size=sp_size)}
+    return max((rotary, attention), key=lambda parts: total(parts).at(tokens))
 
 
 def layer_backward_moment(d: Dims, tokens: int, opts: Any, *, remat: bool, chunks: int) -> dict[str, Bytes]:

@@ -18,6 +18,7 @@ caching allocator (CUDA context, NCCL) is recorded too. ``--device cpu --model t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when this file is loaded by path
 
+from benchlib.alloc_trace import peak_sites, recording  # noqa: E402
 from benchlib.launch import finish, free_memory, init_distributed  # noqa: E402
 from benchlib.results import device_name, results_path, run_meta  # noqa: E402
 from benchlib.workloads import SHAPES, build_model  # noqa: E402
@@ -51,10 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recompute", type=int, default=0, help="of the first R layers keep only the input")
     p.add_argument("--backend", default=None, help="local attention kernel (default: sdpa_cudnn on CUDA)")
     p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda if available")
+    p.add_argument("--trace-peaks", action="store_true",
+                   help="CUDA: record the allocator's history over the forward and write, per length, the "
+                        "allocation sites alive at its peak (rows' peak_sites; not the backward: recording "
+                        "Python stacks inside the checkpointed backward failed in torch 2.11)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--tag", default="", help="suffix of the results file name")
     args = p.parse_args(argv)
     args.lengths = sorted(int(n) for n in args.tokens_per_rank.split(","))
+    if args.trace_peaks and args.device == "cpu":
+        p.error("--trace-peaks reads the CUDA caching allocator's history: run it on a GPU")
     if len(set(args.lengths)) < 2:
         p.error("--tokens-per-rank needs two or more different lengths (the fit is a straight line)")
     return args
@@ -90,9 +98,15 @@ def prepare(args: argparse.Namespace, device: torch.device, world: int):
     return model, dtype, backend
 
 
-def measure_step(model, tokens: int, world: int, device: torch.device) -> dict:
+@contextlib.contextmanager
+def _no_recording(device: torch.device):
+    yield []
+
+
+def measure_step(model, tokens: int, world: int, device: torch.device, trace: bool = False) -> dict:
     """One forward and backward over ``tokens`` per rank: each phase's allocator marks, the host's
-    peak increase and (CUDA) what the device holds outside the caching allocator."""
+    peak increase and (CUDA) what the device holds outside the caching allocator; with ``trace``, the
+    allocation sites alive at the forward's peak (``benchlib.alloc_trace``)."""
     from lightseq_hf.memory import HostPeak, StepMemory
 
     offloader = model.__dict__.get("lightseq_offloader")
@@ -103,8 +117,10 @@ def measure_step(model, tokens: int, world: int, device: torch.device) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens * world), generator=g).to(device)
     dist.barrier()
     probe = StepMemory(device)
+    record = recording if trace else _no_recording
     with HostPeak() as host:
-        loss = model(input_ids=ids, labels=ids).loss
+        with record(device) as forward_events:
+            loss = model(input_ids=ids, labels=ids).loss
         probe.mark("forward")
         loss.backward()
         probe.mark("backward")
@@ -118,6 +134,8 @@ def measure_step(model, tokens: int, world: int, device: torch.device) -> dict:
            "host_increase": host.increase_bytes,
            "phases": {m["phase"]: {k: m[k] for k in ("start", "peak", "allocated", "reserved")}
                       for m in probe.marks}}
+    if trace:
+        row["peak_sites"] = {"forward": peak_sites(forward_events, tokens)}
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         row["outside_allocator"] = total - free - torch.cuda.memory_reserved(device)
@@ -153,8 +171,8 @@ def summarize(args, rows: list[dict], world: int, dtype: torch.dtype, backend: s
     """Per phase: the measured bytes per token (the slope of the phase's peak) and the planner's."""
     xs = [r["tokens_per_rank"] for r in rows]
     plans = [planned(args, world, dtype, backend, n) for n in xs]
-    forward = [p.moments["end of forward (loss)"] for p in plans]
-    backward = [max(v for k, v in p.moments.items() if k != "end of forward (loss)") for p in plans]
+    forward = [p.phase_peak("forward") for p in plans]
+    backward = [p.phase_peak("backward") for p in plans]
     summary = {"planned": {"forward": fit(xs, forward)[0], "backward": fit(xs, backward)[0],
                            "host": plans[-1].host_bytes_per_token,
                            "peak_moment": plans[-1].moment, "peak_gib": [p.peak_gpu / 2**30 for p in plans],
@@ -191,7 +209,7 @@ def main(argv=None) -> Path | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, dtype, backend = prepare(args, device, world)
     measure_step(model, args.warmup_tokens, world, device)  # lazy allocations, not measured
-    rows = [measure_step(model, n, world, device) for n in args.lengths]
+    rows = [measure_step(model, n, world, device, args.trace_peaks) for n in args.lengths]
     everyone = [None] * world
     dist.all_gather_object(everyone, rows)
     summary = summarize(args, rows, world, dtype, backend)
@@ -210,6 +228,12 @@ def main(argv=None) -> Path | None:
         path.write_text(json.dumps({**meta, "rows": rows, "rows_per_rank": everyone, "summary": summary},
                                    indent=1))
         print(report(summary))
+        for row in rows if args.trace_peaks else []:
+            for phase, found in row["peak_sites"].items():
+                print(f"{row['tokens_per_rank']} tokens, {phase} peak above its start: "
+                      f"{found['bytes_per_token'] / KIB:.1f} KB per token")
+                for s in found["sites"][:8]:
+                    print(f"  {s['bytes_per_token'] / KIB:8.2f} KB/token  x{s['tensors']:<3} {s['site']}")
         print(f"wrote {path}")
     finish(owns_group)
     return path

@@ -53,3 +53,48 @@ def test_line_fit():
     bench = _load()
     assert bench.fit([1, 2, 3], [5, 7, 9]) == pytest.approx((2.0, 3.0))
     assert bench.fit([10, 20], [100, 300]) == pytest.approx((20.0, -100.0))
+
+
+def _frame(path: str, line: int, name: str) -> dict:
+    return {"filename": path, "line": line, "name": name}
+
+
+def test_peak_sites_replay_the_allocator_history():
+    """The replay of recorded events: the peak is the largest total alive at once within the block
+    (frees of blocks allocated before it are ignored), the live tensors there are grouped by their
+    innermost lightseq_hf or Transformers frames, with bytes per token."""
+    import torch
+
+    _load()  # puts scripts/ (benchlib) on sys.path
+    from benchlib.alloc_trace import live_at_peak, peak_sites, recording, site
+
+    rotary = [_frame("/venv/lib/torch/nn/functional.py", 1, "op"),
+              _frame("/venv/lib/transformers/models/llama/modeling_llama.py", 158, "apply_rotary_pos_emb"),
+              _frame("/repo/lightseq_hf/checkpoint.py", 120, "__call__")]
+    loss = [_frame("/repo/lightseq_hf/parallel/fused_loss.py", 91, "forward")]
+    events = [{"action": "free_requested", "addr": 99, "size": 7},  # allocated before the block
+              {"action": "alloc", "addr": 1, "size": 4 << 20, "frames": rotary},
+              {"action": "alloc", "addr": 2, "size": 4 << 20, "frames": rotary},
+              {"action": "alloc", "addr": 3, "size": 2 << 20, "frames": loss},
+              {"action": "free_requested", "addr": 1, "size": 4 << 20},
+              {"action": "free_completed", "addr": 1, "size": 4 << 20},
+              {"action": "alloc", "addr": 4, "size": 1 << 20, "frames": loss}]
+    peak, live = live_at_peak(events)
+    assert peak == 10 << 20 and set(live) == {1, 2, 3}
+    assert site(rotary) == ("llama/modeling_llama.py:158:apply_rotary_pos_emb <- "
+                            "lightseq_hf/checkpoint.py:120:__call__")
+    assert site([_frame("/x/torch/a.py", 3, "f")]) == "torch/a.py:3:f" and site([]) == "unknown"
+    found = peak_sites(events, tokens=1024)
+    assert found["peak_bytes"] == 10 << 20 and found["bytes_per_token"] == (10 << 20) / 1024
+    assert [(s["bytes"], s["tensors"]) for s in found["sites"]] == [(8 << 20, 2), (2 << 20, 1)]
+    assert found["sites"][1]["site"] == "parallel/fused_loss.py:91:forward"
+    assert peak_sites(events, tokens=1024, min_bytes=4 << 20)["sites"][0]["bytes"] == 8 << 20
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        with recording(torch.device("cpu")):
+            pass
+
+
+def test_trace_peaks_on_the_cpu_is_refused():
+    bench = _load()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--trace-peaks", "--tokens-per-rank", "16,32"])

@@ -157,6 +157,42 @@ def test_planner_matches_the_ladders_8b_rungs():
         assert abs(plan.peak_host / GIB - host) < 0.03 * host, (row["impl"], plan.peak_host / GIB, host)
 
 
+LOSS, LAST_LAYER = "end of forward (loss)", "forward of layer 3 (rotary embedding or attention)"
+
+
+@pytest.mark.parametrize("name, forward_moments", [
+    ("8b", [LOSS, LOSS]), ("8b-4-layers", [LAST_LAYER, LAST_LAYER]),
+    ("8b-4-layers-traced", [LOSS, LAST_LAYER])])
+def test_planner_phase_peaks_match_the_bytes_per_token_runs(name, forward_moments):
+    """One H100, Llama-3.1-8B shape, every memory option, no optimizer: the forward's peak within 2% and
+    at the moment the run had it: the loss's at 96K-128K tokens, the last layer's rotary embedding from
+    256K (the embedding output, the layer input, the first norm's output, q, k, v and three query-sized
+    temporaries alive); the backward's within 5%."""
+    from lightseq_hf.planner import GIB, ModelShape, PlanOptions, plan_memory
+
+    path = ROOT / f"benchmarks/results/bytes-per-token-h100-x1-2026-11-26-{name}.json"
+    data = json.loads(path.read_text())
+    hidden, inter, layers, heads, kv_heads, vocab = data["shape"]
+    shape = ModelShape(hidden, inter, layers, heads, kv_heads, hidden // heads, vocab)
+    measured = data["summary"]["measured"]
+    peaks = zip(data["rows"], measured["forward_peak_gib"], measured["backward_peak_gib"], forward_moments)
+    for row, forward, backward, moment in peaks:
+        plan = plan_memory(shape, PlanOptions(
+            context=row["tokens_per_rank"], sp_size=1, world=1, sharding="replicated",
+            master_dtype="bfloat16", compute_dtype="bfloat16", offload_checkpoints=data["offload"],
+            tiled_mlp=data["tile"], optimizer_state=False, optimizer=False, attention_kernel="sdpa"))
+        assert abs(plan.phase_peak("forward") / GIB - forward) < 0.02 * forward, (row, plan.moments)
+        assert plan.moments[moment] == plan.phase_peak("forward"), (row["tokens_per_rank"], plan.moments)
+        assert abs(plan.phase_peak("backward") / GIB - backward) < 0.05 * backward, (row, plan.moments)
+        traced = row.get("peak_sites", {}).get("forward")
+        if traced:  # the allocator's trace: the sites alive at the peak are the planned moment's
+            top = traced["sites"][0]["site"]
+            assert ("fused_loss" in top) == (moment == LOSS), top
+            if moment == LAST_LAYER:
+                planned = plan.moment_per_token[moment]
+                assert abs(planned - traced["bytes_per_token"]) < 0.01 * planned
+
+
 def test_memory_options_move_memory():
     """Offload moves the kept tensors to the host (the device keeps the layer in backward and the input
     of the one below, prefetched), tiling lowers the layer's peak, CPU offload moves the optimizer
