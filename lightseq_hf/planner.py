@@ -298,28 +298,17 @@ def _moments(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, state: dict[
         return {"end of forward (loss)": {**common, **every, **_loss(d, n, opts)},
                 "backward": {**common, **every, **head_grad, **transients},
                 **({"optimizer step": _optimizer_moment(state)} if opts.optimizer else {})}
-    device_kept = Bytes()
-    for offloaded, remat in modes:
-        if not offloaded:
-            device_kept = device_kept + total(kept(d, remat))
-    below = Bytes()
-    for offloaded, remat in modes[:-1]:
-        if not offloaded:
-            below = below + total(kept(d, remat))
+    device_kept = _kept_on_device(d, modes)
     last = len(modes) - 1
     moments = {f"forward of layer {last} (rotary embedding or attention)": {
-                   **common, "kept by checkpointing (layers below)": below,
+                   **common, "kept by checkpointing (layers below)": _kept_on_device(d, modes[:-1]),
                    **layer_forward_moment(d, n, sp_size=opts.sp_size, embedding_held=last > 0)},
                "end of forward (loss)": {**common, "kept by checkpointing": device_kept, **_loss(d, n, opts)},
                "start of backward (loss, final norm)": {**common, "kept by checkpointing": device_kept,
                                                         **head_grad, **_loss_backward(d, opts)}}
     for j in _representative_layers(modes):
         offloaded, remat = modes[j]
-        others = Bytes()
-        for i in range(j):
-            if not modes[i][0]:
-                others = others + total(kept(d, modes[i][1]))
-        parts = {**common, **head_grad, "kept by checkpointing (layers below)": others}
+        parts = {**common, **head_grad, "kept by checkpointing (layers below)": _kept_on_device(d, modes[:j])}
         if offloaded and j > 0 and modes[j - 1][0]:  # its input only: the cache comes at its own turn
             parts["offload: the layer below's input, prefetched"] = per_token(d.h * d.c)
         parts.update(_layer_moment(shape, opts, d, n, remat))
@@ -332,6 +321,15 @@ def _moments(shape: ModelShape, opts: PlanOptions, d: Dims, n: int, state: dict[
     if opts.optimizer:
         moments["optimizer step"] = _optimizer_moment(state)
     return moments
+
+
+def _kept_on_device(d: Dims, modes: list[tuple[bool, bool]]) -> Bytes:
+    """What checkpointing keeps on the device for ``modes``' layers (those not offloaded)."""
+    out = Bytes()
+    for offloaded, remat in modes:
+        if not offloaded:
+            out = out + total(kept(d, remat))
+    return out
 
 
 def _representative_layers(modes: list[tuple[bool, bool]]) -> list[int]:
