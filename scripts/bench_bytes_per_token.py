@@ -98,11 +98,6 @@ def prepare(args: argparse.Namespace, device: torch.device, world: int):
     return model, dtype, backend
 
 
-@contextlib.contextmanager
-def _no_recording(device: torch.device):
-    yield []
-
-
 def measure_step(model, tokens: int, world: int, device: torch.device, trace: bool = False) -> dict:
     """One forward and backward over ``tokens`` per rank: each phase's allocator marks, the host's
     peak increase and (CUDA) what the device holds outside the caching allocator; with ``trace``, the
@@ -117,9 +112,8 @@ def measure_step(model, tokens: int, world: int, device: torch.device, trace: bo
     ids = torch.randint(0, model.config.vocab_size, (1, tokens * world), generator=g).to(device)
     dist.barrier()
     probe = StepMemory(device)
-    record = recording if trace else _no_recording
     with HostPeak() as host:
-        with record(device) as forward_events:
+        with recording(device) if trace else contextlib.nullcontext([]) as forward_events:
             loss = model(input_ids=ids, labels=ids).loss
         probe.mark("forward")
         loss.backward()
@@ -200,6 +194,18 @@ def report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def report_sites(rows: list[dict], top: int = 8) -> str:
+    """Per length, the forward's peak above its start and its largest allocation sites."""
+    lines = []
+    for row in rows:
+        found = row["peak_sites"]["forward"]
+        lines.append(f"{row['tokens_per_rank']} tokens, forward peak above its start: "
+                     f"{found['bytes_per_token'] / KIB:.1f} KB per token")
+        lines += [f"  {s['bytes_per_token'] / KIB:8.2f} KB/token  x{s['tensors']:<3} {s['site']}"
+                  for s in found["sites"][:top]]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> Path | None:
     args = parse_args(argv)
     if "RANK" not in os.environ and not dist.is_initialized():  # plain python: a group of one process
@@ -228,12 +234,8 @@ def main(argv=None) -> Path | None:
         path.write_text(json.dumps({**meta, "rows": rows, "rows_per_rank": everyone, "summary": summary},
                                    indent=1))
         print(report(summary))
-        for row in rows if args.trace_peaks else []:
-            for phase, found in row["peak_sites"].items():
-                print(f"{row['tokens_per_rank']} tokens, {phase} peak above its start: "
-                      f"{found['bytes_per_token'] / KIB:.1f} KB per token")
-                for s in found["sites"][:8]:
-                    print(f"  {s['bytes_per_token'] / KIB:8.2f} KB/token  x{s['tensors']:<3} {s['site']}")
+        if args.trace_peaks:
+            print(report_sites(rows))
         print(f"wrote {path}")
     finish(owns_group)
     return path

@@ -98,3 +98,11 @@ def test_trace_peaks_on_the_cpu_is_refused():
     bench = _load()
     with pytest.raises(SystemExit):
         bench.parse_args(["--device", "cpu", "--trace-peaks", "--tokens-per-rank", "16,32"])
+
+
+def test_report_sites_of_the_traced_run():
+    bench = _load()
+    path = ROOT / "benchmarks/results/bytes-per-token-h100-x1-2026-11-26-8b-4-layers-traced.json"
+    text = bench.report_sites(json.loads(path.read_text())["rows"], top=2)
+    assert "262144 tokens, forward peak above its start: 60.5 KB per token" in text
+    assert "apply_rotary_pos_emb" in text and len(text.splitlines()) == 6
