@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, also when this file is loaded by path
 
+from benchlib import alst  # noqa: E402
 from benchlib.ladder import offload_spec, planner_inputs  # noqa: E402
 from benchlib.launch import free_memory, init_distributed  # noqa: E402
 from benchlib.peers import torch_context_parallel  # noqa: E402
@@ -130,9 +131,12 @@ def allocate_adamw_state(opt: torch.optim.AdamW) -> None:
 def parse_variant(variant: str) -> tuple[str, set]:
     """``"remat+offload+tiled"`` -> ``("remat", {"offload", "tiled"})``; unknown parts are refused."""
     base, *options = variant.split("+")
-    if base not in ("remat", "hf", "torch_cp", "single"):
-        raise SystemExit(f"unknown variant {base!r}: remat, hf, torch_cp or single "
+    if base not in ("remat", "hf", "torch_cp", "single", "alst"):
+        raise SystemExit(f"unknown variant {base!r}: remat, hf, torch_cp, single or alst "
                          "(+offload, +tiled, +cpuadam)")
+    if base == "alst":
+        alst.options_from_variant(set(options))
+        return base, set(options)
     unknown = {o for o in options if not o.startswith("offload")} - {"tiled", "cpuadam"}
     unknown |= {o for o in options if o.startswith("offload") and o[7:] not in ("", "auto")
                 and not o[7:].isdigit()}
@@ -166,11 +170,15 @@ def offload_option(options: set, shape, n: int, world: int, device: torch.device
 
 def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=8192, offload=False):
     """One variant's sharded model (AdamW inside its step; ``preallocate``: the optimizer state allocated
-    before the first step) and its training step ``step(probe) -> loss`` on one random sequence of
-    ``n`` tokens."""
+    before the first step), its training step ``step(probe) -> loss`` on one random sequence of ``n``
+    tokens, and for ALST its run (``benchlib.alst.prepare``: the configuration and ``close()``)."""
     import lightseq_hf
 
     base, options = parse_variant(variant)
+    if base == "alst":
+        lightseq_hf.unpatch_llama()
+        run = alst.prepare(shape, n, device, alst.options_from_variant(options))
+        return run.engine, run.step, run
     torch.manual_seed(0)
     model = build_model(shape, n, device)
     if base in ("remat", "hf"):
@@ -213,7 +221,7 @@ def prepare_variant(variant, shape, n, backend, device, preallocate=False, tile=
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return model, step
+    return model, step, None
 
 
 class PhaseProbe(StepMemory):
@@ -239,7 +247,19 @@ def run_variant(variant, shape, n, steps, backend, device, world, preallocate=Fa
     breakdown of the last step, and each rank's host peak and its rise over the step's start (GiB)
     (``preallocate``: AdamW state allocated before the first step). An exception carries the phase it
     came from as ``failed_phase``."""
-    model, step = prepare_variant(variant, shape, n, backend, device, preallocate, tile, offload)
+    model, step, peer = prepare_variant(variant, shape, n, backend, device, preallocate, tile, offload)
+    try:
+        result = _time_steps(model, step, steps, device, world)
+    finally:
+        if peer is not None:
+            peer.close()
+    if peer is not None:
+        result["peer_config"] = peer.config
+    return result
+
+
+def _time_steps(model, step, steps, device, world) -> dict:
+    """Run ``steps`` steps; the median of all but the first (the slowest rank's), peaks and the loss."""
     times, peak_all = [], 0.0
     for i in range(steps):
         synchronize(device)
@@ -326,7 +346,9 @@ def plot(paths: list[str]) -> None:
 
 
 def train_meta(args, device: torch.device, world: int, peak_measured: float | None) -> dict:
-    meta = run_meta(device_name(device), world, "transformers")
+    peers = ("deepspeed",) if "alst" in args.variants else ()
+    meta = run_meta(device_name(device), world, "transformers", *peers,
+                    *(("cudnn", "nccl") if device.type == "cuda" else ()))
     meta.update(model=args.model, shape=SHAPES[args.model], backend=args.backend,
                 alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                 alloc_conf_set_by=getattr(args, "alloc_conf_set_by", None),
@@ -341,6 +363,9 @@ def train_meta(args, device: torch.device, world: int, peak_measured: float | No
 def check_variants(variants: list[str], world: int, cuda: bool) -> None:
     for v in variants:
         parse_variant(v)
+    if sum(v.startswith("alst") for v in variants) > 1:
+        raise SystemExit("ALST creates its sequence-parallel groups once per process: one alst variant per "
+                         "launch (scripts/bench_peers.py launches each on its own)")
     if "single" in variants and world != 1:
         raise SystemExit("the 'single' variant is one GPU without sequence parallelism: launch 1 process")
     if any(v.startswith("torch_cp") for v in variants) and not cuda:
@@ -432,9 +457,11 @@ def measure(variant, n, args, shape, device, world, peak_measured, search=False)
                    **bytes_per_token(result, n // world))
         if peak_measured:
             row["mfu_vs_measured_matmul"] = metrics.mfu(flops, sec, world, peak_measured / 1e12)
-        if world > 1 and base != "single":  # the planner's prediction beside the measured peaks
+        if world > 1 and base not in ("single", "alst"):  # the planner's prediction beside the peaks
             row.update(planned(variant, shape, n, world, offload if base in ("remat", "hf") else None,
                                args.tile))
+    except alst.UlyssesRefusal as err:
+        row["refused"] = str(err)
     except Exception as err:  # noqa: BLE001 - recorded in the results
         # out of memory: the allocator's account (the request, the free and the reserved-but-unused bytes)
         row.update(failure(err, limit=4), failed_phase=getattr(err, "failed_phase", "set-up"))

@@ -33,8 +33,6 @@ import datetime
 import json
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
 import time
@@ -55,13 +53,11 @@ from benchlib.ladder import (  # noqa: E402
     with_budget_share,
 )
 from benchlib.results import device_slug, today  # noqa: E402
+from benchlib.rungs import bench_train_command, nvidia_smi, run_launch  # noqa: E402
 from benchlib.workloads import SHAPES  # noqa: E402
 
 STATE = "maxctx-ladder-state.json"
-EXCEPTION_LINE = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b: ")
 LOG = "maxctx-ladder.log"
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                 "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -103,18 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- the machine
 
 
-def _nvidia_smi(query: str) -> list[list[str]]:
-    try:
-        out = subprocess.run(["nvidia-smi", f"--query-{query}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return []
-    return [[f.strip() for f in line.split(",")] for line in out.splitlines() if line.strip()]
-
-
 def machine(args: argparse.Namespace) -> dict:
     """The cards (names and GiB, from nvidia-smi), the world of a rung and the per-rank budgets."""
-    cards = [] if args.device == "cpu" else _nvidia_smi("gpu=name,memory.total")
+    cards = [] if args.device == "cpu" else nvidia_smi("gpu=name,memory.total")
     world = args.gpus or len(cards) or 1
     gpu_gib = args.gpu_gib or (float(cards[0][1]) / 1024 if cards else None)
     if gpu_gib is None:
@@ -167,41 +154,15 @@ def plan_lines(args: argparse.Namespace, m: dict, ladders: list[Ladder]) -> list
 
 
 def rung_command(args: argparse.Namespace, m: dict, ladder: Ladder, n: int, row_out: Path) -> list[str]:
-    bench = str(ROOT / "scripts" / "bench_train.py")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    return [*launcher, str(m["world"]), bench, "--rung", "--model", ladder.model, "--seqs", str(n),
-            "--variants", ladder.variant, "--steps", "1", "--tile", str(args.tile), "--row-out", str(row_out),
-            "--gpu-budget-gib", f"{m['gpu_budget_bytes'] / 2**30:.3f}",
-            "--host-budget-gib", f"{m['host_budget_bytes'] / 2**30:.3f}"]
-
-
-def _wait_idle_gpus(device: str, seconds: int = 60) -> None:
-    """A rung ended by its time limit may leave processes holding the GPUs for a few seconds."""
-    for _ in range(seconds if device == "cuda" else 0):
-        if not any(row and row[0] for row in _nvidia_smi("compute-apps=pid")):
-            return
-        time.sleep(1)
+    budgets = ("--gpu-budget-gib", f"{m['gpu_budget_bytes'] / 2**30:.3f}",
+               "--host-budget-gib", f"{m['host_budget_bytes'] / 2**30:.3f}")
+    return bench_train_command(m["world"], ladder.model, n, ladder.variant, 1, row_out,
+                               "--tile", str(args.tile), *budgets)
 
 
 def time_limit(estimate: dict) -> float:
     """A rung's time limit: 1.5x its estimate and a minute (set-up varies, the estimate is rough)."""
     return 1.5 * estimate["total_s"] + 60
-
-
-def why_the_launch_failed(lines: list[str], code: int) -> dict:
-    """The error of a rung whose ranks wrote no row, from its log: an out-of-memory message (NCCL's can
-    end a process from its watchdog thread), a rank killed by SIGKILL (what the kernel's out-of-memory
-    killer sends when the host's memory runs out: a host out-of-memory), else the first exception line."""
-    oom = next((line for line in lines if "out of memory" in line.lower()), None)
-    if oom:
-        return {"error": "out of memory", "oom_message": oom[:400]}
-    if any("Signal 9 (SIGKILL)" in line or "exitcode: -9" in line for line in lines):
-        return {"error": "out of memory", "failed_phase": "host",
-                "oom_message": "a rank was killed by SIGKILL: the host's out-of-memory killer, most likely "
-                               "(nothing else on these machines sends it)"}
-    raised = next((line.strip() for line in lines if EXCEPTION_LINE.match(line.strip())), None)
-    return {"error": f"exit status {code}: " + (raised[:400] if raised else
-                                               " | ".join(line[:200] for line in lines[-15:]))}
 
 
 def run_rung(args: argparse.Namespace, m: dict, ladder: Ladder, n: int, estimate: dict,
@@ -212,46 +173,12 @@ def run_rung(args: argparse.Namespace, m: dict, ladder: Ladder, n: int, estimate
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{ladder.model}-{ladder.impl}-{n}"
     row_out, log = out / f"{stem}.json", out / f"{stem}.log"
-    for stale in out.glob(f"{stem}.json*"):
-        stale.unlink()
     limit = time_limit(estimate) if limit is None else limit
-    env = {**os.environ, **{k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()},
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    if args.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    tic = time.perf_counter()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(rung_command(args, m, ladder, n, row_out), cwd=ROOT, env=env,
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            code = None
-    wall = time.perf_counter() - tic
-    _wait_idle_gpus(args.device)
-    row = {"seq": n, "variant": ladder.variant, "search": True}
-    if code == 0 and row_out.exists():
-        found = json.loads(row_out.read_text())
-        row, meta = found["row"], found["meta"]
-    else:
-        meta = None
-        failed = sorted(out.glob(f"{stem}.json.rank*"))
-        if failed:
-            row = json.loads(failed[0].read_text())
-            row["failed_ranks"] = [int(p.name.rsplit("rank", 1)[1]) for p in failed]
-        elif code is None:
-            row["error"] = f"time limit ({limit:.0f} s)"
-        else:
-            row.update(why_the_launch_failed(log.read_text(errors="replace").splitlines(), code))
-    row.update(model=ladder.model, impl=ladder.impl, wall_s=wall, estimated_s=estimate["total_s"],
+    found = run_launch(rung_command(args, m, ladder, n, row_out), row_out, log, limit, args.device)
+    row = {"seq": n, "variant": ladder.variant, "search": True, **found["row"]}
+    row.update(model=ladder.model, impl=ladder.impl, wall_s=found["wall_s"], estimated_s=estimate["total_s"],
                time_limit_s=limit, log=str(log.relative_to(Path(args.out))))
-    return {"row": row, "meta": meta}
+    return {"row": row, "meta": found["meta"]}
 
 
 # ----------------------------------------------------------------------------- the ladders

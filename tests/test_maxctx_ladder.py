@@ -282,7 +282,7 @@ def test_run_in_the_foreground_makes_its_results_folder(tmp_path, monkeypatch):
 
 def test_a_launch_that_wrote_no_row_says_why():
     from benchlib.ladder import rung_status
-    from maxctx_ladder import why_the_launch_failed
+    from benchlib.rungs import why_the_launch_failed
 
     trailer = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "  rank      : 0"]
     killed = why_the_launch_failed([*trailer, "  exitcode  : -9 (pid: 1352)",
