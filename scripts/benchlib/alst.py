@@ -106,15 +106,18 @@ def ulysses_refusal(heads: int, kv_heads: int, world: int) -> str | None:
     return None
 
 
-def shard_batch(ids: torch.Tensor, rank: int, world: int) -> dict[str, torch.Tensor]:
-    """This rank's contiguous slice of ``input_ids``, global ``position_ids`` and labels shifted over the
-    whole row before slicing (``shift_labels``; the last is -100), as ``UlyssesSPDataLoaderAdapter`` gives
-    a batch of ``input_ids``, ``position_ids`` and ``labels=input_ids``."""
+def shard_batch(ids: torch.Tensor, rank: int, world: int,
+                positions: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """This rank's contiguous slice of ``input_ids``, ``position_ids`` (default ``0..n-1``; a packed row's
+    restart at each document) and labels shifted over the whole row before slicing (``shift_labels``; the
+    last is -100), as ``UlyssesSPDataLoaderAdapter`` gives a batch of ``input_ids``, ``position_ids`` and
+    ``labels=input_ids``."""
     n = ids.shape[1]
     if n % world:
         raise ValueError(f"ALST needs a length divisible by the SP size: {n} tokens on {world} ranks")
     shift = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
-    positions = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
+    if positions is None:
+        positions = torch.arange(n, device=ids.device).unsqueeze(0).expand_as(ids)
     piece = slice(rank * n // world, (rank + 1) * n // world)
     return {"input_ids": ids[:, piece], "position_ids": positions[:, piece], "shift_labels": shift[:, piece]}
 
@@ -197,8 +200,9 @@ def prepare(shape, n: int, device: torch.device, options: AlstOptions, *, seed_i
     """ALST's engine for a Llama of ``shape`` at ``n`` tokens over the whole world, and its training step
     ``step(probe) -> loss`` on one random row of ``n`` tokens (``ids``: that row; default the one
     ``bench_train`` draws with ``seed_ids``). Returns a namespace: ``engine``, ``step``,
-    ``forward_backward(probe=None) -> loss`` (no optimizer step), ``config`` (the run's full configuration),
-    this rank's ``batch`` and ``close()`` (Transformers' SDPA attention restored, the engine freed)."""
+    ``forward_backward(probe=None, rows=None) -> loss`` (no optimizer step), ``config`` (the run's full
+    configuration), this rank's ``batch`` and ``close()`` (Transformers' SDPA attention restored, the
+    engine freed)."""
     import deepspeed
     from deepspeed.runtime.activation_checkpointing.offload_activations import (
         get_checkpoint_hidden_states_offloading_ctx_manager,
@@ -233,12 +237,14 @@ def prepare(shape, n: int, device: torch.device, options: AlstOptions, *, seed_i
     batch = {k: v.to(device) for k, v in shard_batch(ids, rank, world).items()}
     offload = get_checkpoint_hidden_states_offloading_ctx_manager() if options.offload_checkpoints else None
 
-    def forward_backward(probe=None) -> torch.Tensor:
-        """The group's mean loss of the row, and its backward (gradients in the engine's partitions)."""
+    def forward_backward(probe=None, rows: dict | None = None) -> torch.Tensor:
+        """The group's mean loss of the row (``rows``: another batch of :func:`shard_batch`'s form), and its
+        backward (gradients in the engine's partitions)."""
+        rows = batch if rows is None else rows
         with _sdpa_cudnn_first(cuda), (offload or contextlib.nullcontext()):
-            out = engine.module.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+            out = engine.module.model(input_ids=rows["input_ids"], position_ids=rows["position_ids"],
                                       use_cache=False)
-            loss = _group_loss(engine.module, out.last_hidden_state, batch["shift_labels"], group)
+            loss = _group_loss(engine.module, out.last_hidden_state, rows["shift_labels"], group)
             if probe is not None:
                 probe.mark("forward")
             engine.backward(loss)
