@@ -136,3 +136,46 @@ def test_options_and_configuration_follow_the_recipe():
         alst.options_from_variant({"offloadauto"})
     assert alst.ulysses_refusal(32, 8, 4) is None and alst.ulysses_refusal(32, 2, 4) is None
     assert "33" in alst.ulysses_refusal(33, 33, 4) and "KV" in alst.ulysses_refusal(32, 6, 4)
+
+
+def test_bench_peers_on_two_cpu_processes(tmp_path):
+    """bench_peers.py on 2 CPU processes: each variant in its own bench_train launch, rows and a summary
+    whose ratio is the peer's step time over ours (ALST's row records why it did not train where DeepSpeed
+    is absent)."""
+    import json
+    import subprocess
+
+    command = [sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "run", "--device", "cpu",
+               "--gpus", "2", "--models", "tiny", "--seqs", "64", "--variants", "remat,alst+tiled",
+               "--steps", "2", "--out", str(tmp_path), "--limit-s", "240"]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (path,) = tmp_path.glob("peers-cpu-x2-*.json")
+    doc = json.loads(path.read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert set(rows) == {"ours", "alst"} and rows["ours"]["tokens_per_gpu"] == 32
+    ratio = doc["summary"]["vs_alst"]["tiny"]["64"]
+    if alst.unavailable() is None:
+        assert rows["alst"]["peer_config"]["zero_optimization"]["stage"] == 3
+        assert ratio == pytest.approx(rows["alst"]["step_s"] / rows["ours"]["step_s"])
+        assert rows["alst"]["loss"] == pytest.approx(rows["ours"]["loss"], rel=1e-4)
+    else:
+        ended = doc["summary"]["per_model"]["tiny"]["64"]["alst"]["not_trained"]
+        assert ratio is None and "DeepSpeed" in ended
+
+
+def test_peers_summary_takes_each_implementations_fastest_variant():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_peers import summarize
+
+    rows = [{"model": "8b", "seq": 8, "impl": "ours", "variant": "remat", "step_s": 10.0},
+            {"model": "8b", "seq": 8, "impl": "ours", "variant": "remat+tiled", "step_s": 12.0},
+            {"model": "8b", "seq": 8, "impl": "alst", "variant": "alst+tiled", "step_s": 14.0},
+            {"model": "8b", "seq": 8, "impl": "alst", "variant": "alst", "step_s": 13.0},
+            {"model": "8b", "seq": 8, "impl": "torch_cp", "variant": "torch_cp", "error": "out of memory"},
+            {"model": "33h", "seq": 8, "impl": "alst", "variant": "alst", "refused": "not divisible"}]
+    s = summarize(rows)
+    assert s["vs_alst"]["8b"]["8"] == pytest.approx(1.3) and s["vs_torch_cp"]["8b"]["8"] is None
+    assert s["per_model"]["8b"]["8"]["alst"]["variant"] == "alst"
+    assert s["per_model"]["8b"]["8"]["torch_cp"]["not_trained"] == "out of memory"
+    assert s["per_model"]["33h"]["8"]["alst"]["not_trained"] == "not divisible"

@@ -27,6 +27,7 @@ SMOKE = {
     "bench_kernels.py": f"{HERE}::test_bench_kernels_in_the_interpreter",
     "bench_packed.py": "tests/test_bench_packed.py::test_smoke_run_on_two_cpu_processes",
     "bench_packed_kernels.py": f"{HERE}::test_bench_packed_kernels_in_the_interpreter",
+    "bench_peers.py": "tests/test_alst_peer.py::test_bench_peers_on_two_cpu_processes",
     "bench_bytes_per_token.py": "tests/test_bench_bytes_per_token.py::test_smoke_run_on_two_cpu_processes",
     "bench_prefill.py": "tests/test_bench_prefill.py::test_smoke_run_on_two_cpu_processes",
     "bench_train.py": f"{HERE}::test_bench_train_then_finetune_report",
@@ -46,10 +47,10 @@ SMOKE = {
     "trace_exposure.py": "tests/test_trace_exposure.py::test_breakdown_of_a_known_timeline",
 }
 #: scripts with no GPU path of their own: tools that read results or traces, compile without a GPU, run on
-#: gloo, or launch another script (maxctx_ladder.py: bench_train.py's rungs)
-CPU_ONLY = {"check_clean_exit.py", "check_triton_compile.py", "finetune_report.py", "fit_tile_cost.py",
-            "gen_config_reference.py", "maxctx_ladder.py", "plot_headline.py", "schedule_table.py",
-            "support_table.py", "trace_exposure.py"}
+#: gloo, or launch another script (maxctx_ladder.py and bench_peers.py: bench_train.py's rungs)
+CPU_ONLY = {"bench_peers.py", "check_clean_exit.py", "check_triton_compile.py", "finetune_report.py",
+            "fit_tile_cost.py", "gen_config_reference.py", "maxctx_ladder.py", "plot_headline.py",
+            "schedule_table.py", "support_table.py", "trace_exposure.py"}
 #: scripts whose GPU path a GPU test other than tests/gpu/test_scripts_gpu.py runs
 GPU_ELSEWHERE = {"finetune.py": "tests/gpu/test_finetune_gpu.py"}
 
