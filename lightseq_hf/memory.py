@@ -86,11 +86,12 @@ class StepMemory:
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def breakdown(self) -> dict:
-        """GiB per phase: allocated at its end, its peak, and the peak minus the static components."""
+        """GiB per phase: allocated at its start and end, its peak, and the peak minus the static
+        components."""
         out = {}
         for m in self.marks:
-            row = {"allocated_gib": m["allocated"] / GIB, "peak_gib": m["peak"] / GIB,
-                   "reserved_gib": m["reserved"] / GIB}
+            row = {"start_gib": m["start"] / GIB, "allocated_gib": m["allocated"] / GIB,
+                   "peak_gib": m["peak"] / GIB, "reserved_gib": m["reserved"] / GIB}
             static = m.get("static")
             if static:
                 row.update({f"{k}_gib": v / GIB for k, v in static.items()})

@@ -472,14 +472,20 @@ def measure(variant, n, args, shape, device, world, peak_measured, search=False)
 
 def bytes_per_token(result: dict, tokens_per_rank: int) -> dict:
     """What the step held per token of a rank: on the device, the largest phase peak above the
-    weights, gradients and optimizer state (and that static part, GiB); on the host, the largest rise
+    weights, gradients and optimizer state, or above the step's start where the probe cannot see them (and
+    that static part, GiB); on the host, the largest rise
     of a rank's resident memory over the step's start (and the largest start, GiB)."""
     out = {}
-    phases = [p for p in result["memory_breakdown"].values() if "peak_minus_static_gib" in p]
-    if phases:
-        top = max(phases, key=lambda p: p["peak_gib"])
+    phases = list(result["memory_breakdown"].values())
+    seen = [p for p in phases if "peak_minus_static_gib" in p]
+    if seen:
+        top = max(seen, key=lambda p: p["peak_gib"])
         out.update(device_bytes_per_token=top["peak_minus_static_gib"] * 2**30 / tokens_per_rank,
                    device_static_gib=top["peak_gib"] - top["peak_minus_static_gib"])
+    elif phases:  # a peer whose state the probe cannot see (ALST's ZeRO-3 partitions): the step's start
+        top, static = max(phases, key=lambda p: p["peak_gib"]), phases[0]["start_gib"]
+        out.update(device_bytes_per_token=(top["peak_gib"] - static) * 2**30 / tokens_per_rank,
+                   device_static_gib=static)
     hosts = [(peak, start) for peak, start in zip(result["host_peak_gib"], result["host_start_gib"])
              if peak is not None and start is not None]
     if hosts:

@@ -42,10 +42,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
+from benchlib.alst import unavailable as alst_unavailable  # noqa: E402
 from benchlib.ladder import (  # noqa: E402
     MODEL_NAMES,
     OURS_VARIANTS,
     Ladder,
+    alst_start,
     choose_ours,
     estimate_seconds,
     summarize,
@@ -82,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--first-rung", action="append", default=[], metavar="IMPL=TOKENS",
                    help="start IMPL's ladders (ours, torch_cp) at TOKENS instead of the planner's length, "
                         "e.g. torch_cp just past the planner's longest to find where it fails first")
+    p.add_argument("--impls", default="ours,torch_cp,alst",
+                   help="ours and torch_cp always; alst (benchlib/alst.py) when listed and installed")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--wait", type=float, default=0.0, help="poll: wait up to S seconds for the end")
     args = p.parse_args(argv)
@@ -89,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.first_rungs = {impl: int(n) for impl, n in (item.split("=") for item in args.first_rung)}
     except ValueError:
         p.error("--first-rung takes IMPL=TOKENS, e.g. --first-rung torch_cp=344064")
-    if set(args.first_rungs) - {"ours", "torch_cp"}:
-        p.error(f"--first-rung: unknown implementation in {args.first_rung}; use ours or torch_cp")
+    if set(args.first_rungs) - {"ours", "torch_cp", "alst"}:
+        p.error(f"--first-rung: unknown implementation in {args.first_rung}; use ours, torch_cp or alst")
     if args.mode != "poll" and args.host_gib is None:
         p.error("--host-gib is required: the host's memory in GiB (e.g. 512 for a machine of 4 GPUs)")
     return args
@@ -113,7 +117,8 @@ def machine(args: argparse.Namespace) -> dict:
 
 
 def make_ladders(args: argparse.Namespace, m: dict) -> list[Ladder]:
-    """Ours and torch context parallel for each model, their variants and first rungs from the planner."""
+    """Ours, torch context parallel and (``--impls``) ALST for each model, their variants and first rungs from
+    the planner."""
     models = args.models.split(",")
     rung_s = 60 * (args.rung_min or args.budget_min / (2 * len(models)))
     world, gpu, host = m["world"], m["gpu_budget_bytes"], m["host_budget_bytes"]
@@ -132,6 +137,12 @@ def make_ladders(args: argparse.Namespace, m: dict) -> list[Ladder]:
         if args.device == "cpu":
             ladder.stopped = "skipped: torch context parallel shards only the GPU SDPA kernels"
         ladders.append(ladder)
+        if "alst" in args.impls:
+            peer = alst_start(shape, world, gpu, host, unit, rung_s, args.tflops)
+            start = first.get("alst", peer["start"])
+            ladder = Ladder(model, "alst", peer["variant"], peer["planned_max"], start, unit)
+            ladder.stopped = alst_unavailable() and f"skipped: {alst_unavailable()}"
+            ladders.append(ladder)
     return ladders
 
 

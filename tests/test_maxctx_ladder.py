@@ -153,7 +153,7 @@ def test_runner_start_poll_on_two_cpu_processes(tmp_path):
     # 1.5 GiB of the budget is what the planner puts beside the allocator (CUDA context, NCCL buffers)
     common = ["--out", str(tmp_path), "--device", "cpu", "--gpus", "2", "--models", "tiny",
               "--gpu-gib", "1.6", "--host-gib", "1", "--unit", "512", "--tile", "256", "--max-rungs", "2",
-              "--budget-min", "60",
+              "--budget-min", "60", "--impls", "ours,torch_cp",
               "--ours-variants", "remat+offloadauto+tiled,hf+offloadauto+tiled"]
     script = [sys.executable, str(ROOT / "scripts" / "maxctx_ladder.py")]
     started = subprocess.run([*script, "start", *common], cwd=ROOT, env=env, capture_output=True, text=True,
@@ -278,6 +278,31 @@ def test_run_in_the_foreground_makes_its_results_folder(tmp_path, monkeypatch):
     state = json.loads((out / runner.STATE).read_text())
     assert state["status"] == "done" and Path(state["results"]).parent == out
     assert json.loads(Path(state["results"]).read_text())["kind"] == "maxctx-ladder"
+
+
+def test_alst_ladder_starts_at_the_planners_estimate_or_says_why_it_is_skipped(monkeypatch):
+    """ALST is the third ladder: its reach variant, its first rung at the estimate for what it keeps (the
+    terms of torch CP with the optimizer on the host), and a skip row's reason where DeepSpeed is absent;
+    its rows enter the summary beside torch CP's."""
+    from benchlib.ladder import ALST_VARIANT, alst_start
+
+    runner = _runner()
+    plan = ["plan", "--gpus", "4", "--models", "8b", "--gpu-gib", "79.1", "--host-gib", "512"]
+    args = runner.parse_args(plan)
+    m = runner.machine(args)
+    ladders = {ladder.impl: ladder for ladder in runner.make_ladders(args, m)}
+    peer = alst_start(SHAPES["8b"], 4, m["gpu_budget_bytes"], m["host_budget_bytes"], 8192, 60 * 15 / 2)
+    assert ladders["alst"].variant == ALST_VARIANT and ladders["alst"].start == peer["start"] > 0
+    monkeypatch.setattr(runner, "alst_unavailable", lambda: "no DeepSpeed here")
+    assert runner.make_ladders(args, m)[-1].stopped == "skipped: no DeepSpeed here"
+    args = runner.parse_args([*plan, "--impls", "ours,torch_cp"])
+    assert [ladder.impl for ladder in runner.make_ladders(args, m)] == ["ours", "torch_cp"]
+    rows = [{"model": "8b", "impl": "ours", "variant": "remat", "seq": 1024, "step_s": 1.0},
+            {"model": "8b", "impl": "alst", "variant": ALST_VARIANT, "seq": 512, "step_s": 1.0},
+            {"model": "8b", "impl": "alst", "variant": ALST_VARIANT, "seq": 768, "error": "out of memory"}]
+    s = summarize(rows)
+    assert (s["max_context_alst"], s["max_context_ratio_vs_alst"]) == (512, 2.0)
+    assert s["max_context_ratio_vs_alst_at_least"] == pytest.approx(1024 / 768)
 
 
 def test_a_launch_that_wrote_no_row_says_why():

@@ -2,13 +2,14 @@
 rung takes, and the results' summary. Pure functions and a small state class; no device, no process group
 (``scripts/maxctx_ladder.py`` runs the rungs, ``scripts/bench_train.py --rung`` measures one).
 
-A *ladder* is one model and one implementation (``ours`` or ``torch_cp``) climbing lengths. Ours starts at
-the planner's longest context for the variant the planner says reaches furthest (within the time a rung
-may take); torch context parallel starts at the planner's estimate for its own options (Hugging Face
-checkpointing with Transformers' offload of every layer input: what it keeps per layer, though not its
-ring's buffers). After a rung, the next length comes from the previous ones: a success climbs toward the
-length its measured bytes per token say fits (at least one resolution step, at most half as long again),
-a failure steps down, and a success below a failure bisects until they are within the resolution.
+A *ladder* is one model and one implementation (``ours``, ``torch_cp`` or ``alst``) climbing lengths.
+Ours starts at the planner's longest context for the variant the planner says reaches furthest (within the
+time a rung may take); torch context parallel starts at the planner's estimate for its own options (Hugging
+Face checkpointing with Transformers' offload of every layer input: what it keeps per layer, though not its
+ring's buffers); ALST at the same estimate with the optimizer on the host (it keeps the same per layer).
+After a rung, the next length comes from the previous ones: a success climbs toward the length its measured
+bytes per token say fits (at least one resolution step, at most half as long again), a failure steps down,
+and a success below a failure bisects until they are within the resolution.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ OURS_VARIANTS = ("remat+offloadauto+tiled", "hf+offloadauto+tiled", "remat+offlo
                  "hf+offloadauto+tiled+cpuadam")
 #: torch context parallel at its best: the chunked loss (always), Transformers' checkpoint offload
 TORCH_CP_VARIANT = "torch_cp+offload"
+#: ALST at its longest: the tiled MLP, checkpoint offload, the optimizer on the host (benchlib/alst.py)
+ALST_VARIANT = "alst+tiled+offload+cpuadam"
 MODEL_NAMES = {"8b": "Llama-3.1-8B", "7b": "Llama-2-7B", "7b-gqa": "Llama-2-7B, GQA 32/8",
                "7b-33h": "Llama-2-7B, 33 heads", "tiny": "tiny"}
 
@@ -135,6 +138,15 @@ def torch_cp_start(shape, world: int, gpu_bytes: float, host_bytes: float, unit:
     planned = planned_longest(variant, shape, world, gpu_bytes, host_bytes, unit)
     reach = min(planned, longest_within(variant, shape, world, rung_s, unit, tflops))
     return {"variant": variant, "planned_max": planned, "start": reach, "time_capped": reach < planned}
+
+
+def alst_start(shape, world: int, gpu_bytes: float, host_bytes: float, unit: int, rung_s: float,
+               tflops: float = 400.0) -> dict:
+    """ALST's ladder: :data:`ALST_VARIANT`, first rung at the planner's estimate for what it keeps (every
+    layer's input offloaded to the host, Hugging Face's recompute of the whole layer, AdamW on the host: the
+    same terms as torch context parallel with ``+cpuadam``); its own rungs then measure it."""
+    cp = torch_cp_start(shape, world, gpu_bytes, host_bytes, unit, rung_s, True, tflops)
+    return {**cp, "variant": ALST_VARIANT}
 
 
 # ----------------------------------------------------------------------------- the next rung
@@ -253,14 +265,16 @@ def summarize(rows: list[dict], ladders: dict | None = None) -> dict:
     per_model = {}
     for model in models:
         mine = [r for r in rows if r["model"] == model]
-        entry = {**_entry(mine, "ours"), **_entry(mine, "torch_cp")}
-        ours, cp = entry["max_context_ours"], entry["max_context_torch_cp"]
+        entry = {**_entry(mine, "ours"), **_entry(mine, "torch_cp"), **_entry(mine, "alst")}
+        ours, cp, alst = entry["max_context_ours"], entry["max_context_torch_cp"], entry["max_context_alst"]
         entry["max_context_ratio"] = ours / cp if ours and cp else None
-        cp_failed = entry["first_failed_context_torch_cp"]
+        entry["max_context_ratio_vs_alst"] = ours / alst if ours and alst else None
+        cp_failed, alst_failed = entry["first_failed_context_torch_cp"], entry["first_failed_context_alst"]
         entry["max_context_ratio_at_least"] = ours / cp_failed if ours and cp_failed else None
+        entry["max_context_ratio_vs_alst_at_least"] = ours / alst_failed if ours and alst_failed else None
         entry["device_bytes_per_token"] = entry["device_bytes_per_token_ours"]
         entry["host_bytes_per_token"] = entry["host_bytes_per_token_ours"]
-        for impl in ("ours", "torch_cp"):
+        for impl in ("ours", "torch_cp", "alst"):
             state = (ladders or {}).get(model, {}).get(impl, {})
             entry[f"planned_max_{impl}"] = state.get("planned_max")
             entry[f"ladder_end_{impl}"] = state.get("stopped")
@@ -268,8 +282,9 @@ def summarize(rows: list[dict], ladders: dict | None = None) -> dict:
         per_model[model] = entry
     summary: dict = {"headline_model": models[0] if models else None}
     keys = ("max_context_ours", "max_context_torch_cp", "max_context_ratio", "max_context_ratio_at_least",
-            "device_bytes_per_token",
-            "host_bytes_per_token", "first_failed_context_ours", "first_failed_context_torch_cp")
+            "max_context_alst", "max_context_ratio_vs_alst", "max_context_ratio_vs_alst_at_least",
+            "device_bytes_per_token", "host_bytes_per_token", "first_failed_context_ours",
+            "first_failed_context_torch_cp", "first_failed_context_alst")
     head = per_model.get(models[0], {}) if models else {}
     summary.update({k: head.get(k) for k in keys})
     summary["step_s_per_rung"] = [{"model": r["model"], **rung_record(r)} for r in rows]
