@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchlib.alst import RECIPE  # noqa: E402
 from benchlib.results import device_slug, today  # noqa: E402
-from benchlib.rungs import bench_train_command, nvidia_smi, run_launch  # noqa: E402
+from benchlib.rungs import alive, bench_train_command, detach, nvidia_smi, run_launch  # noqa: E402
 
 IMPLS = {"remat": "ours", "hf": "ours", "alst": "alst", "torch_cp": "torch_cp"}
 LOG, STATE = "peers.log", "peers-state.json"
@@ -141,12 +139,9 @@ def run(args: argparse.Namespace) -> Path:
 def start(args: argparse.Namespace, argv: list[str]) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(Path(__file__).resolve()), "run", *argv[1:]]
-    with open(out / LOG, "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    (out / STATE).write_text(json.dumps({"pid": proc.pid, "started": time.time()}))
-    print(f"started: pid {proc.pid}, log {out / LOG}", flush=True)
+    pid = detach([sys.executable, str(Path(__file__).resolve()), "run", *argv[1:]], out / LOG)
+    (out / STATE).write_text(json.dumps({"pid": pid, "started": time.time()}))
+    print(f"started: pid {pid}, log {out / LOG}", flush=True)
 
 
 def poll(args: argparse.Namespace) -> int:
@@ -157,18 +152,10 @@ def poll(args: argparse.Namespace) -> int:
         return 1
     pid = json.loads((out / STATE).read_text())["pid"]
     deadline = time.monotonic() + args.wait
-
-    def alive() -> bool:
-        try:
-            os.kill(pid, 0)
-            return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    while alive() and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(5)
     print("\n".join((out / LOG).read_text(errors="replace").splitlines()[-40:]))
-    return 3 if alive() else 0
+    return 3 if alive(pid) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

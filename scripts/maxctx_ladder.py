@@ -33,7 +33,6 @@ import datetime
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ from benchlib.ladder import (  # noqa: E402
     with_budget_share,
 )
 from benchlib.results import device_slug, today  # noqa: E402
-from benchlib.rungs import bench_train_command, nvidia_smi, run_launch  # noqa: E402
+from benchlib.rungs import alive, bench_train_command, detach, nvidia_smi, run_launch  # noqa: E402
 from benchlib.workloads import SHAPES  # noqa: E402
 
 STATE = "maxctx-ladder-state.json"
@@ -316,30 +315,14 @@ def start(args: argparse.Namespace, argv: list[str]) -> None:
     state_file = out / STATE
     if state_file.exists():
         state = json.loads(state_file.read_text())
-        if state.get("status") == "running" and _alive(state.get("pid")):
+        if state.get("status") == "running" and alive(state.get("pid")):
             raise SystemExit(f"a ladder is running in {out} (pid {state['pid']}): poll it, or kill it first")
     m = machine(args)
     print("\n".join(plan_lines(args, m, make_ladders(args, m))), flush=True)
-    command = [sys.executable, str(Path(__file__).resolve()), "run", *argv[1:]]
-    with open(out / LOG, "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    state_file.write_text(json.dumps({"status": "starting", "pid": proc.pid, "started": time.time()}))
-    print(f"started: pid {proc.pid}, log {out / LOG}; poll with: python scripts/maxctx_ladder.py poll "
+    pid = detach([sys.executable, str(Path(__file__).resolve()), "run", *argv[1:]], out / LOG)
+    state_file.write_text(json.dumps({"status": "starting", "pid": pid, "started": time.time()}))
+    print(f"started: pid {pid}, log {out / LOG}; poll with: python scripts/maxctx_ladder.py poll "
           f"--out {args.out}", flush=True)
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    try:  # a finished child of this process that nobody reaped is a zombie: not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def poll(args: argparse.Namespace) -> int:
@@ -348,7 +331,7 @@ def poll(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.wait
     while True:
         state = json.loads((out / STATE).read_text()) if (out / STATE).exists() else {}
-        running = state.get("status") in ("running", "starting") and _alive(state.get("pid"))
+        running = state.get("status") in ("running", "starting") and alive(state.get("pid"))
         if not running or time.monotonic() >= deadline:
             break
         time.sleep(min(10.0, max(0.5, deadline - time.monotonic())))

@@ -139,17 +139,22 @@ def test_options_and_configuration_follow_the_recipe():
 
 
 def test_bench_peers_on_two_cpu_processes(tmp_path):
-    """bench_peers.py on 2 CPU processes: each variant in its own bench_train launch, rows and a summary
+    """bench_peers.py on 2 CPU processes, started detached and polled to its end: each variant in its own
+    bench_train launch, rows and a summary
     whose ratio is the peer's step time over ours (ALST's row records why it did not train where DeepSpeed
     is absent)."""
     import json
     import subprocess
 
-    command = [sys.executable, str(ROOT / "scripts" / "bench_peers.py"), "run", "--device", "cpu",
-               "--gpus", "2", "--models", "tiny", "--seqs", "64", "--variants", "remat,alst+tiled",
-               "--steps", "2", "--out", str(tmp_path), "--limit-s", "240"]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    script = [sys.executable, str(ROOT / "scripts" / "bench_peers.py")]
+    options = ["--device", "cpu", "--gpus", "2", "--models", "tiny", "--seqs", "64", "--variants",
+               "remat,alst+tiled", "--steps", "2", "--out", str(tmp_path), "--limit-s", "240"]
+    started = subprocess.run([*script, "start", *options], cwd=ROOT, capture_output=True, text=True,
+                             timeout=60)
+    assert started.returncode == 0 and "started: pid" in started.stdout, started.stderr[-3000:]
+    polled = subprocess.run([*script, "poll", "--out", str(tmp_path), "--wait", "400"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=480)
+    assert polled.returncode == 0, polled.stdout[-3000:] + polled.stderr[-3000:]
     (path,) = tmp_path.glob("peers-cpu-x2-*.json")
     doc = json.loads(path.read_text())
     rows = {r["impl"]: r for r in doc["rows"]}

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["MULTICAST_OFF", "ROOT", "bench_train_command", "nvidia_smi", "run_launch", "wait_idle_gpus",
-           "why_the_launch_failed"]
+__all__ = ["MULTICAST_OFF", "ROOT", "alive", "bench_train_command", "detach", "nvidia_smi", "run_launch",
+           "wait_idle_gpus", "why_the_launch_failed"]
 
 ROOT = Path(__file__).resolve().parents[2]
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -104,3 +104,25 @@ def run_launch(command: list[str], row_out: Path, log: Path, limit: float, devic
     else:
         row.update(why_the_launch_failed(log.read_text(errors="replace").splitlines(), code))
     return {"row": row, "meta": None, "wall_s": wall}
+
+
+def detach(command: list[str], log: Path) -> int:
+    """Start ``command`` in its own session (it outlives the caller), its output in ``log``; its pid."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc.pid
+
+
+def alive(pid: int | None) -> bool:
+    """Whether ``pid`` runs (a finished child nobody reaped, a zombie, does not)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
