@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of the README, in one place, for a machine with 2+ GPUs (NVLink).
 # Usage: bash scripts/run_gpu_benchmarks.sh OUT_DIR [tests|dist|packed|train-main|train|search|search-ours|search-cp|
-#                                                  prefill|x4|x4-train|maxctx-*|all]
+#                                                  prefill|x4|x4-train|maxctx-*|peers-*|all]
 #   tests        the GPU test modules (scripts/run_gpu_tests.sh; log OUT_DIR/gpu-tests.log)
 #   dist         distributed attention against torch CP and one GPU, with ablations and a 32K trace
 #                (BACKENDS=triton: the Triton local kernel, in its own results file)
@@ -24,6 +24,9 @@
 #                under its own time limit; HOST_GIB the host's memory (required: 256 for 2 GPUs, 512 for 4),
 #                MODELS (8b,7b), BUDGET_MIN (15), RUNG_MIN (default BUDGET_MIN / ladders), GPUS (all)
 #   maxctx-poll  the ladder's progress and summary, waiting up to WAIT seconds (540) for its end
+#   peers-start  the training step against ALST and torch CP (scripts/bench_peers.py, detached; ALST needs
+#                scripts/install_peers.sh's wheels): MODELS (8b,7b), SEQS (131072), VARIANTS (remat,alst,torch_cp)
+#   peers-poll   its log's end, waiting up to WAIT seconds (540) for its end
 #   prefill      first-token latency (scripts/bench_prefill.py, forward only, 7B shape): one GPU at 32K-128K
 #                (SEQS1), then all GPUs at 32K-512K (SEQS; ours against torch CP, with the one-GPU rows)
 #   x4           the 4-GPU set in one call (<= 9 min, each step under its own time limit):
@@ -42,8 +45,9 @@ part=${2:-all}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$out"
-if [[ $part == maxctx-poll ]]; then  # the ladder holds the GPUs while it runs: no busy check
-  python3 scripts/maxctx_ladder.py poll --out "$out" --wait "${WAIT:-540}"
+if [[ $part == maxctx-poll || $part == peers-poll ]]; then  # a detached run holds the GPUs: no busy check
+  [[ $part == maxctx-poll ]] && runner=scripts/maxctx_ladder.py || runner=scripts/bench_peers.py
+  python3 "$runner" poll --out "$out" --wait "${WAIT:-540}"
   exit $?
 fi
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -119,6 +123,8 @@ case $part in
     ladder=(--out "$out" --gpus "${GPUS:-$gpus}" --host-gib "${HOST_GIB:?HOST_GIB: the host memory in GiB (256 for 2 GPUs, 512 for 4)}"
             --models "${MODELS:-8b,7b}" --budget-min "${BUDGET_MIN:-15}" ${RUNG_MIN:+--rung-min "$RUNG_MIN"})
     python3 scripts/maxctx_ladder.py "${part#maxctx-}" "${ladder[@]}" ;;
+  peers-start) python3 scripts/bench_peers.py start --models "${MODELS:-8b,7b}" --seqs "${SEQS:-131072}" \
+    --variants "${VARIANTS:-remat,alst,torch_cp}" --out "$out" ;;
 esac
 if [[ $part == prefill ]]; then
   run timeout 200 torchrun --nproc_per_node 1 scripts/bench_prefill.py --seqs "${SEQS1:-32768,65536,131072}" \
