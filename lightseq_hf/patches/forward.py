@@ -18,6 +18,9 @@
   of the whole slice exists; where the norm is not recognized, or the hidden states are asked for,
   it runs in the stack as usual. The norm gets its :class:`FinalNormForward` when the model is
   adopted, so no forward sets a module's ``forward`` (``torch.compile`` traces these forwards).
+* Forward hooks a user put on the head, the decoder stack or its final norm (:mod:`.user_hooks`) see the
+  whole sequence: the causal LM then runs the unfused path, the decoder stack gathers the rows before its
+  final norm and the norm runs after the gather; with NEFTune the input embeddings run on the whole rows.
 
 Calls with a KV cache (``use_cache=True``, ``cache`` or ``past_key_values``: generation, prefill) run the
 unpatched model on every rank, unsharded; so does every call under :func:`.state.as_unpatched` (the
@@ -50,6 +53,7 @@ from .attention import ACTIVE_MODEL
 from .batch import SplitBatch, split_batch
 from .rope import whole_sequence_frequencies
 from .state import ATTN_IMPLEMENTATION, PatchSettings, running_unpatched, settings_of
+from .user_hooks import has_user_hooks, hooked_outputs, hooks_held_aside, module_names, whole_row_embeddings
 
 #: ``lightseq_logits`` values: logits of the whole sequence on every rank, or of this rank's slice
 LOGITS_LAYOUTS = ("full", "shard")
@@ -172,37 +176,58 @@ def make_decoder_forward(original, architecture_of):
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
         check_outputs(self, kwargs)
         arch = architecture_of(self)
-        split = pending.split if pending is not None else split_batch(
-            self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
-            layer_kinds=arch.layer_kinds, positions_from_mask=arch.positions_from_mask)
+        if pending is None:  # called on its own (or its inputs may have been changed by a user pre-hook)
+            pending = PendingSplit(split_batch(
+                self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
+                layer_kinds=arch.layer_kinds, positions_from_mask=arch.positions_from_mask), gather=True)
+        split = pending.split
+        norm_after = _hooked_final_norm(self, pending)  # runs on the gathered rows, as its hooks expect
+        moved = pending.final_norm is not None or norm_after is not None
         token = ACTIVE_MODEL.set(arch.model_type)
-        if pending is not None and pending.final_norm is not None:
+        if moved:
             self.__dict__["_lightseq_norm_in_loss"] = pending  # FinalNormForward passes its input through
         try:
-            with whole_sequence_frequencies(self, split.last_position):
+            with (whole_sequence_frequencies(self, split.last_position), hooks_held_aside(norm_after),
+                  whole_row_embeddings(self, input_ids, split.shard)):
                 outputs = original(self, input_ids=split.input_ids, inputs_embeds=split.inputs_embeds,
                                    attention_mask=None, position_ids=split.position_ids, use_cache=False,
                                    lightseq_sp=split.context, return_dict=True, **kwargs)
         finally:
             ACTIVE_MODEL.reset(token)
             self.__dict__.pop("_lightseq_norm_in_loss", None)
-        if pending is not None and pending.final_norm is not None and len(pending.norm_calls) != 1:
+        if moved and len(pending.norm_calls) != 1:
             raise RuntimeError(f"{arch.model_type}: the decoder stack called its final norm "
                                f"{len(pending.norm_calls)} times, not once at its end; lightseq_hf cannot "
-                               "move it into the loss. Report the model type.")
+                               "run it outside the stack. Report the model type.")
         if getattr(outputs, "router_logits", None) is not None:
             outputs.router_logits = gather_router_logits(outputs.router_logits, split)
-        if pending is None or pending.gather:
-            outputs.last_hidden_state = gather_sequence(outputs.last_hidden_state, split.group, split.shard)
-            if getattr(outputs, "hidden_states", None) is not None:
-                outputs.hidden_states = tuple(gather_sequence(h, split.group, split.shard)
-                                              for h in outputs.hidden_states)
+        if pending.gather:
+            _gather_outputs(outputs, split, norm_after)
         else:
             pending.hidden = outputs.last_hidden_state
         return outputs if return_dict is not False else outputs.to_tuple()
 
     forward._lightseq_patched = True
     return forward
+
+
+def _hooked_final_norm(decoder: torch.nn.Module, pending: PendingSplit) -> torch.nn.Module | None:
+    """The decoder stack's final norm when it carries user hooks and the stack gathers its output: it
+    then runs on the whole sequence, after the gather, as in the unpatched model (else None)."""
+    norm = decoder.__dict__.get("_lightseq_final_norm")
+    return norm if pending.gather and norm is not None and has_user_hooks(norm) else None
+
+
+def _gather_outputs(outputs, split: SplitBatch, norm_after: torch.nn.Module | None) -> None:
+    """The decoder stack's outputs of this slice -> those of the whole sequence (``norm_after``: the final
+    norm, applied to the gathered rows)."""
+    states = getattr(outputs, "hidden_states", None)
+    tied = states is not None and states[-1] is outputs.last_hidden_state  # Transformers ties the last one
+    last = gather_sequence(outputs.last_hidden_state, split.group, split.shard)
+    outputs.last_hidden_state = norm_after(last) if norm_after is not None else last
+    if states is not None:
+        gathered = [gather_sequence(h, split.group, split.shard) for h in (states[:-1] if tied else states)]
+        outputs.hidden_states = (*gathered, outputs.last_hidden_state) if tied else tuple(gathered)
 
 
 def make_causal_lm_forward(original, architecture_of):
@@ -257,6 +282,10 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
                         inputs["attention_mask"], inputs["position_ids"], kwargs, shifted_labels=shifted,
                         layer_kinds=arch.layer_kinds, positions_from_mask=arch.positions_from_mask)
     mode = ("fused" if arch.fused_head else "shard") if shifted is not None else layout
+    hooked = hooked_outputs(model, decoder)
+    if hooked:  # the hooks see the whole sequence: the model's own head and loss on it, as unpatched
+        mode = "full"
+        _notice_hooks(model, hooked)
     wants_states = kwargs.get("output_hidden_states", getattr(model.config, "output_hidden_states", False))
     norm = decoder.__dict__.get("_lightseq_final_norm") if mode == "fused" and not wants_states else None
     if norm is not None and (norm._forward_hooks or norm._forward_pre_hooks):
@@ -271,7 +300,8 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
         if "logits_to_keep" in inspect.signature(original).parameters:
             kwargs["logits_to_keep"] = 0  # every row of the slice (fused: the head call is the loss)
     loss_function, head_call = _group_loss(model, mode, pending, shifted, num_items)
-    decoder.__dict__["_lightseq_pending"] = pending
+    if not hooked:  # with hooks the stack splits what it is called with (a pre-hook may change it)
+        decoder.__dict__["_lightseq_pending"] = pending
     previous = model.__dict__.get("_loss_function", _MISSING)
     if loss_function is not None:
         model.loss_function = loss_function
@@ -299,8 +329,8 @@ def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: 
     rank's slice, whichever way the forward ran."""
     split = pending.split
     shard = split.shard
-    if mode == "full":
-        return logits
+    if mode == "full":  # the model's own head on the whole sequence
+        return logits if layout == "full" else logits[:, shard.start:shard.real_end]
     if mode == "fused":  # the head call was the loss; logits for evaluation with labels come now
         hidden = pending.hidden if pending.final_norm is None else pending.final_norm(pending.hidden)
         head = model.get_output_embeddings()
@@ -310,6 +340,13 @@ def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: 
     if layout == "shard":
         return logits[:, :shard.real_end - shard.start]
     return _keep_logits(gather_sequence(logits, split.group, shard), keep)
+
+
+def _notice_hooks(model, hooked: list[torch.nn.Module]) -> None:
+    names = module_names(model, hooked)
+    warn_once(f"hooks {names}", f"lightseq_hf: forward hooks on {names}: the final norm, the head and the "
+              "loss run on the whole sequence on every rank, as unpatched, so the hooks see the tensors they "
+              "expect (this forms the full logits on every rank instead of the fused chunked loss's chunks).")
 
 
 def _keep_logits(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor:
@@ -347,15 +384,16 @@ def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
 def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
     """The decoder stack's final norm, when its forward's last assignment of ``hidden_states`` is
     ``hidden_states = self.<name>(hidden_states)`` at the top level of the function, and that module is
-    a norm (its class name says so, its parameters are vectors) called without hooks or a forward of
-    its own (other than :class:`FinalNormForward`); else None."""
+    a norm (its class name says so, its parameters are vectors) without a forward of its own (other than
+    :class:`FinalNormForward`); else None. Its hooks decide at each call where it runs: with a user's it runs
+    after the gather, with a framework's in the stack, without any in the fused loss."""
     name = _final_norm_name(type(decoder))
     module = getattr(decoder, name, None) if name else None
     if not isinstance(module, torch.nn.Module) or "norm" not in type(module).__name__.lower():
         return None
     own = module.__dict__.get("forward")
-    if ((own is not None and not isinstance(own, FinalNormForward)) or module._forward_hooks
-            or module._forward_pre_hooks or any(p.dim() > 1 for p in module.parameters())):
+    if ((own is not None and not isinstance(own, FinalNormForward))
+            or any(p.dim() > 1 for p in module.parameters())):
         return None
     return module
 
@@ -385,8 +423,8 @@ def _final_norm_name(decoder_cls: type) -> str | None:
 
 class FinalNormForward:
     """The decoder stack's final norm's ``forward`` (an instance attribute): the norm's own, except
-    inside a patched forward that runs it in the fused loss, where it returns its input (and records
-    the call in the split's ``norm_calls``)."""
+    inside a patched forward that runs it in the fused loss or after the gather, where it returns its
+    input (and records the call in the split's ``norm_calls``)."""
 
     def __init__(self, norm: torch.nn.Module, decoder: torch.nn.Module) -> None:
         self.norm = norm
