@@ -1,33 +1,108 @@
-"""More inputs a new user (or an adversary) passes to the public surface, each refused with one line that
-names the problem and the fix instead of a silent wrong result or a deep traceback: cu_seqlens that are not
-whole numbers or not 1-D, Segments of the wrong types, non-boolean ``causal``, non-numeric scales, the
-patched model's ids, embeddings and labels of the wrong kind, ``check_parity`` options that would pass
-anything, and command-line numbers, data files and resume paths that cannot work."""
+"""Inputs to the public surface that would fail deep inside torch or give a quietly wrong result, each
+refused with one line that names the problem and the fix, while well-formed inputs beside them still give
+the unpatched model's numbers: labels outside the vocabulary, ``position_ids`` that restart where
+``cu_seq_lens`` start no document, groups this rank is not in or of the wrong kind, cu_seqlens that are not
+whole numbers, Segments of the wrong types, non-boolean flags and non-numeric scales, malformed ids,
+embeddings and labels for the patched model, ``check_parity`` options that would pass anything, and a
+padding multiple without its dimension."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import copy
 
 import pytest
 import torch
+import torch.distributed as dist
+from distributed import rel_err, run_distributed
+from tiny_models import VOCAB, make_batch, make_model
 
 import lightseq_hf
 from lightseq_hf import Segments
-from lightseq_hf.training.config import ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.yaml")
-
-
-def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(1, 8, 2, 8, generator=g) for _ in range(3))
 
 
 def _one_line(excinfo: pytest.ExceptionInfo, needle: str) -> None:
     text = str(excinfo.value)
     assert needle in text, text
     assert "\n" not in text, text
+
+
+def _labels_worker(rank: int, world: int) -> list[str]:
+    failures = []
+    model = make_model(layers=1)
+    ids, labels = make_batch(2, 12, 0)
+    with torch.no_grad():
+        want = copy.deepcopy(model).double()(input_ids=ids, labels=labels).loss
+    lightseq_hf.patch(model)
+    try:
+        for bad, token in ((labels.clamp(max=0) + VOCAB + 3, VOCAB + 3), (torch.full_like(labels, -1), -1)):
+            try:
+                model(input_ids=ids, labels=bad)
+                failures.append(f"rank {rank}: labels holding {token} were not refused")
+            except ValueError as e:
+                text = str(e)
+                needle = f"labels hold token id {token}, outside the model's output vocabulary of {VOCAB}"
+                if needle not in text or "\n" in text:
+                    failures.append(f"rank {rank}: {text}")
+        with torch.no_grad():
+            got = model(input_ids=ids, labels=labels).loss  # -100 and in-vocabulary ids still pass
+            none = model(input_ids=ids, labels=torch.full_like(labels, -100)).loss
+        if rel_err(got, want) > 1e-5 or not torch.isnan(none):
+            failures.append(f"rank {rank}: loss {got} vs {want}; all-ignored loss {none}")
+    finally:
+        lightseq_hf.unpatch()
+    return failures
+
+
+def test_labels_outside_the_vocabulary_are_refused_on_every_rank() -> None:
+    assert run_distributed(_labels_worker, 2) == [[], []]
+
+
+def test_position_ids_must_restart_where_cu_seq_lens_start_documents() -> None:
+    ids, _ = make_batch(1, 12, 3)
+    pos = torch.cat([torch.arange(5), torch.arange(7)])[None]  # documents [0, 5) and [5, 12)
+    model = make_model(layers=1)
+    ref = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=ids[:, :5]).logits, ref(input_ids=ids[:, 5:]).logits], 1)
+    lightseq_hf.patch(model)
+    try:
+        model.eval()
+        with torch.no_grad(), pytest.raises(ValueError) as e:
+            other = torch.tensor([0, 6, 12])
+            model(input_ids=ids, position_ids=pos, cu_seq_lens_q=other, cu_seq_lens_k=other)
+        _one_line(e, "position_ids restart at token 5 of row 0, where cu_seq_lens_q/k start no document")
+        same = torch.tensor([0, 5, 12], dtype=torch.int32)
+        with torch.no_grad():
+            for kwargs in (dict(position_ids=pos), dict(position_ids=torch.arange(12)[None]), {}):
+                got = model(input_ids=ids, cu_seq_lens_q=same, cu_seq_lens_k=same, **kwargs).logits
+                assert rel_err(got, want) < 1e-5, kwargs  # agreeing (or continuous) positions are fine
+    finally:
+        lightseq_hf.unpatch()
+
+
+def test_a_group_this_rank_is_not_in_is_named() -> None:
+    outside = dist.GroupMember.NON_GROUP_MEMBER  # what new_group returns on the ranks it leaves out
+    q = torch.randn(1, 8, 2, 8)
+    needle = "this rank is not a member of the process group passed"
+    for call in (lambda: lightseq_hf.dist_flash_attn(q, q, q, group=outside),
+                 lambda: lightseq_hf.sync_gradients(torch.nn.Linear(2, 2), group=outside),
+                 lambda: lightseq_hf.patch(make_model(layers=1), sp_group=outside)):
+        with pytest.raises(ValueError) as e:
+            call()
+        _one_line(e, needle)
+
+
+def test_pad_to_multiple_names_a_missing_dimension() -> None:
+    with pytest.raises(ValueError) as e:
+        lightseq_hf.pad_to_multiple(torch.arange(5), 4)  # 1-D: there is no sequence dim 1
+    _one_line(e, "dim=1 is not a dimension of x, of shape (5,); the sequence is dim 1 of (batch, seq, ...)")
+    assert lightseq_hf.pad_to_multiple(torch.arange(5), 4, dim=0).tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert lightseq_hf.pad_to_multiple(torch.ones(1, 5), 4, dim=-1).shape == (1, 8)
+
+
+def _qkv() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 8, 2, 8, generator=g) for _ in range(3))
 
 
 CU_MESSAGE = "cu_seqlens must be a 1-D list or tensor of whole token counts"
@@ -41,6 +116,8 @@ CU_MESSAGE = "cu_seqlens must be a 1-D list or tensor of whole token counts"
     "0,3,8",
     torch.tensor([0, 3, 8], device="meta"),
 ], ids=["float-tensor", "float-list", "2-D", "bool", "string", "meta"])
+
+
 def test_cu_seqlens_must_be_whole_numbers(cu) -> None:
     q, k, v = _qkv()
     with pytest.raises(ValueError) as e:
@@ -63,6 +140,8 @@ def test_whole_number_cu_seqlens_of_any_kind_agree() -> None:
     (8, (((0, 3.5), (3.5, 8)),)),
     (8, ((0, 3), (3, 8))),                  # one row without its nesting
 ])
+
+
 def test_segments_need_int_pairs_per_row(length, docs) -> None:
     with pytest.raises(ValueError) as e:
         Segments(length, docs)
@@ -82,6 +161,8 @@ def test_segments_normalise_lists_and_integer_tensors() -> None:
     (dict(causal="False"), "causal must be True or False; got 'False'"),
     (dict(softmax_scale="0.3"), "softmax_scale must be a number (or None); got '0.3'"),
 ])
+
+
 def test_flag_and_scale_types(kwargs: dict, needle: str) -> None:
     q, k, v = _qkv()
     with pytest.raises(ValueError) as e:
@@ -121,6 +202,8 @@ def test_groups_must_be_process_groups() -> None:
 
 
 @pytest.fixture
+
+
 def patched():
     from tiny_models import make_model
 
@@ -175,109 +258,6 @@ def test_check_parity_refuses_options_that_pass_anything(patched) -> None:
             lightseq_hf.check_parity(patched, {"input_ids": ids[:, :length]})
         _one_line(e, "the parity check needs rows of at least 2 tokens (a next-token loss); the batch's "
                      f"rows have {length}")
-
-
-def _cli_error(capsys, argv: list[str]) -> str:
-    from lightseq_hf.training.cli import main
-
-    assert main(argv) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1, err
-    return err[0]
-
-
-def test_cli_numbers_must_be_positive(tmp_path: Path, capsys) -> None:
-    out = f"output_dir={tmp_path / 'run'}"
-    for argv, needle in (
-        (["--check", "--world-size", "0"], "--world-size must be at least 1; got 0"),
-        (["--check", "--world-size", "-2"], "--world-size must be at least 1; got -2"),
-        (["--plan", "--gpu-gib", "nan"], "--gpu-gib must be a positive number of GiB; got nan"),
-        (["--plan", "--gpu-gib", "-1"], "--gpu-gib must be a positive number of GiB; got -1.0"),
-        (["--plan", "--host-gib", "0"], "--host-gib must be a positive number of GiB; got 0.0"),
-    ):
-        assert needle in _cli_error(capsys, [TINY, out, *argv])
-
-
-def test_cli_check_finds_unusable_data_files_and_resume_paths(tmp_path: Path, capsys) -> None:
-    empty, blob, folder = tmp_path / "empty.txt", tmp_path / "data.bin", tmp_path / "docs"
-    empty.write_text("")
-    blob.write_bytes(b"abc")
-    folder.mkdir()
-    text = ["data.type=files", "tokenizer=bytes", "model.config.vocab_size=257",
-            f"output_dir={tmp_path / 'run'}", "--check"]
-    for extra, needle in (
-        ([f"data.paths=[{empty}]"], "data.paths: every data file is empty; add documents to them"),
-        ([f"data.paths=[{folder}]"], f"data.paths[0]: '{folder}' is a directory; list the data files in it"),
-        ([f"data.paths=[{blob}]"], f"data.paths: cannot tell the format of '{blob}' from its extension; set "
-                                   "data.format"),
-        ([f"data.paths=[{ROOT / 'README.md'}]", f"saving.resume_from={empty}"],
-         f"saving.resume_from: '{empty}' is a file, not a checkpoint directory"),
-    ):
-        assert needle in _cli_error(capsys, [TINY, *text, *extra])
-
-
-def test_data_problems_found_by_the_workers_are_config_errors() -> None:
-    """A worker prints a ConfigError as one line and exits 2; other errors end in a traceback."""
-    import datasets
-
-    from lightseq_hf.training.data import ByteTokenizer, detect_format, tokenize_and_pack
-
-    with pytest.raises(ConfigError, match="the data holds fewer than context_length=64 tokens"):
-        tokenize_and_pack(datasets.Dataset.from_dict({"text": ["ab"]}), ByteTokenizer(), 64)
-    with pytest.raises(ConfigError, match="cannot tell the format"):
-        detect_format(["notes.bin"])
-    for texts, shown in (([None, "hello world"], "NoneType values (such as None)"), ([5], "int values")):
-        with pytest.raises(ConfigError) as e:  # an AttributeError inside the tokenizer otherwise
-            tokenize_and_pack(datasets.Dataset.from_dict({"text": texts}), ByteTokenizer(), 4)
-        _one_line(e, f"data.text_field: column 'text' holds {shown}")
-
-
-def test_data_refusal_leaves_the_main_process_first_block(tmp_path: Path) -> None:
-    """The main rank builds the dataset while the others wait for it at the end of the block: a refusal must
-    leave the block normally (else the waiting ranks crash on the closed connection with a traceback)."""
-    import contextlib
-
-    import yaml
-
-    from lightseq_hf.training.config import config_from_dict
-    from lightseq_hf.training.data import ByteTokenizer, build_text_dataset
-
-    short = tmp_path / "short.txt"
-    short.write_text("ab")
-    cfg = config_from_dict(yaml.safe_load(Path(TINY).read_text()),
-                           ["data.type=files", f"data.paths=[{short}]", "tokenizer=bytes",
-                            "model.config.vocab_size=257", "context_length=64"], base_dir=ROOT / "configs")
-    left = []
-
-    @contextlib.contextmanager
-    def main_process_first():
-        yield
-        left.append(True)  # the barrier the other ranks wait at
-
-    with pytest.raises(ConfigError, match="the data holds fewer than context_length=64 tokens"):
-        build_text_dataset(cfg, ByteTokenizer(), main_process_first)
-    assert left == [True]
-
-
-@pytest.mark.slow
-def test_data_refused_after_a_two_process_launch_is_one_line(tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
-
-    short = tmp_path / "short.txt"
-    short.write_text("ab")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "scripts/finetune.py", "--nproc", "2", TINY, "training.device=cpu",
-                           "data.type=files", f"data.paths=[{short}]", "tokenizer=bytes",
-                           "model.config.vocab_size=257", "context_length=64",
-                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("lightseq-finetune:")]
-    assert lines == ["lightseq-finetune: config error: the data holds fewer than context_length=64 tokens "
-                     "per packing batch; add data or lower context_length"], proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr and "[rank1]" not in proc.stderr, proc.stderr
 
 
 def _shard_inputs_worker(rank: int, world: int) -> list[str]:
