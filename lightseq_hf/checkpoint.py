@@ -25,9 +25,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .offload import CheckpointOffloader
+from .offload import CheckpointOffloader, OffloadPlan, offload_plan
 from .parallel import ops as _ops  # noqa: F401  (registers torch.ops.lightseq_hf.*)
-from .planner import OffloadPlan, offload_plan
 
 CHECKPOINTING_MODES = ("remat", "hf")
 

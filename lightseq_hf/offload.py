@@ -23,6 +23,10 @@ power of two: a 2.25 GiB layer input would hold 4 GiB of host memory.) Every hos
 runs on one side stream, so a buffer released after its copy back can be reused at once: the next
 copy into it is queued behind.
 
+Which checkpointed layers offload, and which of those keep only their input (plain recompute), is an
+:class:`OffloadPlan` (:func:`offload_plan` reads one from an ``offload_checkpoints`` value): the memory
+planner chooses it, :func:`lightseq_hf.checkpoint.route_checkpointing` carries it out.
+
 On a CPU device the "host copy" is a plain copy (no streams): the mechanism, and its exactness,
 can be tested without a GPU.
 """
@@ -33,7 +37,7 @@ import contextlib
 import math
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +46,45 @@ from torch.utils._pytree import tree_flatten
 
 #: tensors smaller than this stay where they are (a copy costs more than it frees)
 MIN_OFFLOAD_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Per decoder layer, where checkpointing keeps what it saves and what it keeps: the first
+    ``layers`` checkpointed layers keep it in pinned host memory (the last ones, which backward needs
+    first, on the device); the first ``recompute`` keep only their input, their attention forward
+    running again in backward (plain recompute instead of remat: half the bytes per token, one more
+    attention forward per step each)."""
+
+    layers: int
+    recompute: int = 0
+
+
+_EVERY_LAYER = 2**31
+_OFFLOAD_HELP = ("use True (every layer), False, a number of layers N >= 0 (the first N decoder layers keep "
+                 "their checkpoints in host memory), or {'layers': N, 'recompute': R} (of the first R layers "
+                 "only the input is kept: plain recompute).")
+
+
+def offload_plan(offload: bool | int | Mapping | OffloadPlan | None) -> OffloadPlan:
+    """The :class:`OffloadPlan` of an ``offload_checkpoints`` value: ``True`` every layer, ``False`` none,
+    ``N`` the first N, a mapping with ``layers`` (and ``recompute``), or a plan; ValueError otherwise."""
+    if isinstance(offload, OffloadPlan):
+        plan = offload
+    elif offload is True:
+        plan = OffloadPlan(_EVERY_LAYER)
+    elif offload is False or offload is None:
+        plan = OffloadPlan(0)
+    elif isinstance(offload, int):
+        plan = OffloadPlan(offload)
+    elif isinstance(offload, Mapping) and set(offload) <= {"layers", "recompute"} and "layers" in offload:
+        plan = OffloadPlan(**offload)
+    else:
+        raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
+    for value in (plan.layers, plan.recompute):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
+    return plan
 
 
 @dataclass

@@ -28,8 +28,8 @@ import torch.distributed as dist
 from .._values import check_group
 from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
+from ..offload import OffloadPlan, offload_plan
 from ..parallel.groups import check_launched
-from ..planner import OffloadPlan, offload_plan
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
@@ -74,7 +74,7 @@ def patch(
     local attention backend of ``dist_flash_attn``.
     ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
     by Transformers' ``activation_checkpointing_enable(offload=True)``); ``N``: only the first N
-    layers'; ``{"layers": N, "recompute": R}`` (an :class:`~lightseq_hf.checkpoint.OffloadPlan`): also
+    layers'; ``{"layers": N, "recompute": R}`` (an :class:`~lightseq_hf.offload.OffloadPlan`): also
     the first R layers keep only their input (plain recompute), as ``offload_checkpoints: auto``
     chooses. ``tiled_mlp``: run the dense MLPs and the layers' norms this many tokens at a time
     (:mod:`lightseq_hf.patches.tiled_mlp`; None: untiled).
