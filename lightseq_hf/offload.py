@@ -44,8 +44,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+__all__ = ["CheckpointOffloader", "HostBufferPool", "OffloadPlan", "OffloadStats", "offload_plan"]
+
 #: tensors smaller than this stay where they are (a copy costs more than it frees)
-MIN_OFFLOAD_BYTES = 1024
+_MIN_OFFLOAD_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class CheckpointOffloader:
     ``min_bytes``: smaller tensors stay on the device.
     """
 
-    def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
+    def __init__(self, *, min_bytes: int = _MIN_OFFLOAD_BYTES) -> None:
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
         self._groups: weakref.WeakValueDictionary[int, _Group] = weakref.WeakValueDictionary()

@@ -13,3 +13,5 @@ reads an environment variable for these; tests and benchmarks call the functions
 - :mod:`.views`: read-only views of internal state (the offloader's pooled host buffers).
 - :mod:`.trainer_variants`: the fine-tune's trainer with one behaviour changed, for memory checks.
 """
+
+__all__ = []
