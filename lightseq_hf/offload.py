@@ -368,41 +368,12 @@ class CheckpointOffloader:
             if slot.host is not None and slot.device_tensor is None:
                 self._copy_in(slot, wait=False)
             if slot.cache_entry is not None:
-                self._hand_to_cache(slot)
+                _refill_cache_entry(slot.cache_entry, slot.device_tensor, slot.h2d_done)
+                slot.cache_entry = slot.device_tensor = slot.h2d_done = None  # the cache holds it now
             elif slot.h2d_done is not None:
                 torch.cuda.current_stream(slot.device).wait_event(slot.h2d_done)
                 slot.device_tensor.record_stream(torch.cuda.current_stream(slot.device))
                 slot.h2d_done = None
-
-    @staticmethod
-    def _hand_to_cache(slot: _Slot) -> None:
-        """Put the slot's device tensor back into its selective-checkpoint cache entry. While its copy
-        may still run, the entry's first read makes the compute stream wait for it (a wrapper class
-        without ``get_val`` gets the wait now)."""
-        entry, tensor, done = slot.cache_entry, slot.device_tensor, slot.h2d_done
-        entry.val = tensor
-        if getattr(entry, "version", None) is not None:
-            entry.version = tensor._version
-        if done is not None:
-            def wait_for_copy() -> None:
-                current = torch.cuda.current_stream(tensor.device)
-                current.wait_event(done)
-                tensor.record_stream(current)
-
-            read = getattr(type(entry), "get_val", None)
-            if read is None:
-                wait_for_copy()
-            else:
-                entry_ref = weakref.ref(entry)  # no cycle through the entry's own attribute
-
-                def get_val(*args: Any, **kwargs: Any) -> Any:
-                    this = entry_ref()
-                    del this.get_val  # the class's method again
-                    wait_for_copy()
-                    return read(this, *args, **kwargs)
-
-                entry.get_val = get_val
-        slot.cache_entry = slot.device_tensor = slot.h2d_done = None  # the cache holds it now
 
     def _copy_in(self, slot: _Slot, *, wait: bool) -> torch.Tensor:
         host = slot.host
@@ -423,6 +394,36 @@ class CheckpointOffloader:
             tensor = host.clone()  # the "device" copy (the host buffer goes back to the pool)
         slot.device_tensor = tensor
         return tensor
+
+
+def _refill_cache_entry(entry: Any, tensor: torch.Tensor, copy_done: Any) -> None:
+    """Put ``tensor`` back into its selective-checkpoint cache ``entry``. While its host-to-device copy may
+    still run (``copy_done``: the copy's event; None once waited for), the entry's first read makes the
+    compute stream wait for it (a wrapper class without ``get_val`` gets the wait now)."""
+    entry.val = tensor
+    if getattr(entry, "version", None) is not None:
+        entry.version = tensor._version
+    if copy_done is None:
+        return
+
+    def wait_for_copy() -> None:
+        current = torch.cuda.current_stream(tensor.device)
+        current.wait_event(copy_done)
+        tensor.record_stream(current)
+
+    read = getattr(type(entry), "get_val", None)
+    if read is None:
+        wait_for_copy()
+        return
+    entry_ref = weakref.ref(entry)  # no cycle through the entry's own attribute
+
+    def get_val(*args: Any, **kwargs: Any) -> Any:
+        this = entry_ref()
+        del this.get_val  # the class's method again
+        wait_for_copy()
+        return read(this, *args, **kwargs)
+
+    entry.get_val = get_val
 
 
 def _unregister(pinned: set[int]) -> None:
