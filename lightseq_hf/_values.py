@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+__all__ = ["check_group", "is_positive_int"]
+
 
 def is_positive_int(value: object) -> bool:
     """True for an ``int`` of at least 1 (``bool`` excluded: ``True`` is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def check_not_member(group: object) -> None:
+def _check_not_member(group: object) -> None:
     """ValueError when ``group`` is what ``torch.distributed.new_group`` returns on ranks outside the group
     (``GroupMember.NON_GROUP_MEMBER``, an int): the type check after it would only say "got int"."""
     import torch.distributed as dist
@@ -24,7 +26,7 @@ def check_group(group: object, name: str = "group", default: str = "all ranks") 
     (``default`` says what None means)."""
     import torch.distributed as dist
 
-    check_not_member(group)
+    _check_not_member(group)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"{name} must be a torch.distributed.ProcessGroup or None ({default}); got "
                          f"{type(group).__name__}.")

@@ -25,9 +25,13 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .offload import CheckpointOffloader
+from .offload import CheckpointOffloader, OffloadPlan, offload_plan
 from .parallel import ops as _ops  # noqa: F401  (registers torch.ops.lightseq_hf.*)
-from .planner import OffloadPlan, offload_plan
+
+__all__ = [
+    "CHECKPOINTING_MODES", "OffloadingCheckpoint", "as_hf", "hf_checkpoint_parts", "remat_checkpoint",
+    "remat_policy", "restore_checkpointing", "route_checkpointing",
+]
 
 CHECKPOINTING_MODES = ("remat", "hf")
 
@@ -39,7 +43,7 @@ def remat_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def remat_context_fn() -> tuple[Any, Any]:
+def _remat_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for :func:`torch.utils.checkpoint.checkpoint` applying :func:`remat_policy`."""
     return create_selective_checkpoint_contexts(remat_policy)
 
@@ -50,11 +54,11 @@ def remat_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 def _remat_call(inner: Callable, function: Callable, *args: Any, **kwargs: Any) -> Any:
-    kwargs.update(use_reentrant=False, context_fn=remat_context_fn)
+    kwargs.update(use_reentrant=False, context_fn=_remat_context_fn)
     return inner(function, *args, **kwargs)
 
 
-def as_remat(func: Callable) -> Callable:
+def _as_remat(func: Callable) -> Callable:
     """Wrap a checkpoint function HF built (``partial(checkpoint, **kwargs)``, maybe with offload).
 
     Its other settings are kept; ``use_reentrant`` becomes False and ``context_fn`` the policy.
@@ -68,7 +72,7 @@ def as_remat(func: Callable) -> Callable:
 
 
 def as_hf(func: Callable) -> Callable:
-    """The checkpoint function :func:`as_remat` or :class:`OffloadingCheckpoint` wrapped (or ``func``)."""
+    """The checkpoint function :func:`_as_remat` or :class:`OffloadingCheckpoint` wrapped (or ``func``)."""
     if isinstance(func, OffloadingCheckpoint):
         return func.original
     if getattr(func, "_lightseq_remat", False):
@@ -111,7 +115,7 @@ class OffloadingCheckpoint:
         caches = []
         if self.remat:
             def context_fn() -> tuple[Any, Any]:
-                pair = remat_context_fn()
+                pair = _remat_context_fn()
                 caches.append(pair[0])
                 return pair
 
@@ -139,11 +143,6 @@ def _checkpoints_itself(module: torch.nn.Module) -> bool:
     except ImportError:  # older Transformers: the stack module is the one with a `layers` list
         return not isinstance(getattr(module, "layers", None), torch.nn.ModuleList)
     return isinstance(module, GradientCheckpointingLayer)
-
-
-def check_offload_layers(offload: bool | int | Mapping | OffloadPlan | None) -> int | None:
-    """Layers to offload for an ``offload_checkpoints`` value (None: none); ValueError for a bad one."""
-    return offload_plan(offload).layers or None
 
 
 def route_checkpointing(model: torch.nn.Module, mode: str,
@@ -188,6 +187,6 @@ def route_checkpointing(model: torch.nn.Module, mode: str,
                 offloader = model.__dict__["lightseq_offloader"] = CheckpointOffloader()
             module._gradient_checkpointing_func = OffloadingCheckpoint(base, parts[0], remat, offloader)
         else:
-            module._gradient_checkpointing_func = as_remat(base) if remat else base
+            module._gradient_checkpointing_func = _as_remat(base) if remat else base
         count += 1
     return count

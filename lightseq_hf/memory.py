@@ -1,6 +1,6 @@
 """Measuring memory: a per-component breakdown of a training step from the allocator, and host peaks.
 
-* :func:`static_breakdown` — bytes of this rank's parameters, gradients and optimizer state (the
+* :func:`_static_breakdown` — bytes of this rank's parameters, gradients and optimizer state (the
   local shards of FSDP2's DTensors), by device, counting each storage once.
 * :class:`StepMemory` — marks a step's phases (``forward``, ``backward``, ``optimizer``) and records,
   from the CUDA caching allocator, what is allocated at each mark and the peak inside each phase;
@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-GIB = 2**30
+__all__ = ["HostPeak", "StepMemory", "memory_budget"]
+
+_GIB = 2**30
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -42,7 +44,7 @@ def _unique_bytes(tensors: Any) -> dict[str, int]:
     return out
 
 
-def static_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def _static_breakdown(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """``{"parameters": {device_type: bytes}, "gradients": ..., "optimizer_state": ...}`` of this rank."""
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
@@ -80,7 +82,7 @@ class StepMemory:
                  "reserved": torch.cuda.memory_reserved(self.device), "start": self._last}
         if model is not None:
             entry["static"] = {k: v.get(self.device.type, 0)
-                               for k, v in static_breakdown(model, optimizer).items()}
+                               for k, v in _static_breakdown(model, optimizer).items()}
         self.marks.append(entry)
         self._last = entry["allocated"]
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -90,12 +92,12 @@ class StepMemory:
         components."""
         out = {}
         for m in self.marks:
-            row = {"start_gib": m["start"] / GIB, "allocated_gib": m["allocated"] / GIB,
-                   "peak_gib": m["peak"] / GIB, "reserved_gib": m["reserved"] / GIB}
+            row = {"start_gib": m["start"] / _GIB, "allocated_gib": m["allocated"] / _GIB,
+                   "peak_gib": m["peak"] / _GIB, "reserved_gib": m["reserved"] / _GIB}
             static = m.get("static")
             if static:
-                row.update({f"{k}_gib": v / GIB for k, v in static.items()})
-                row["peak_minus_static_gib"] = (m["peak"] - sum(static.values())) / GIB
+                row.update({f"{k}_gib": v / _GIB for k, v in static.items()})
+                row["peak_minus_static_gib"] = (m["peak"] - sum(static.values())) / _GIB
             out[m["phase"]] = row
         return out
 

@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
-GIB = 2**30
+__all__ = [
+    "PEAK_BF16_TFLOPS", "causal_attention_pairs", "flop_params", "matmul_params", "memory_stats", "mfu",
+    "model_flops_per_step", "packed_attention_pairs", "peak_tflops", "reset_peak_memory", "tflops_per_device",
+]
+
+_GIB = 2**30
 
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity) from the vendor datasheets; the first key found in
 # torch.cuda.get_device_name() wins, so longer names come before their prefixes.
@@ -117,8 +122,8 @@ def memory_stats(device: torch.device | str) -> dict[str, float]:
         return {}
     s = torch.cuda.memory_stats(device)
     return {
-        "peak_allocated_gib": s.get("allocated_bytes.all.peak", 0) / GIB,
-        "peak_reserved_gib": s.get("reserved_bytes.all.peak", 0) / GIB,
-        "allocated_gib": s.get("allocated_bytes.all.current", 0) / GIB,
-        "reserved_gib": s.get("reserved_bytes.all.current", 0) / GIB,
+        "peak_allocated_gib": s.get("allocated_bytes.all.peak", 0) / _GIB,
+        "peak_reserved_gib": s.get("reserved_bytes.all.peak", 0) / _GIB,
+        "allocated_gib": s.get("allocated_bytes.all.current", 0) / _GIB,
+        "reserved_gib": s.get("reserved_bytes.all.current", 0) / _GIB,
     }

@@ -23,6 +23,10 @@ power of two: a 2.25 GiB layer input would hold 4 GiB of host memory.) Every hos
 runs on one side stream, so a buffer released after its copy back can be reused at once: the next
 copy into it is queued behind.
 
+Which checkpointed layers offload, and which of those keep only their input (plain recompute), is an
+:class:`OffloadPlan` (:func:`offload_plan` reads one from an ``offload_checkpoints`` value): the memory
+planner chooses it, :func:`lightseq_hf.checkpoint.route_checkpointing` carries it out.
+
 On a CPU device the "host copy" is a plain copy (no streams): the mechanism, and its exactness,
 can be tested without a GPU.
 """
@@ -33,15 +37,56 @@ import contextlib
 import math
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+__all__ = ["CheckpointOffloader", "HostBufferPool", "OffloadPlan", "OffloadStats", "offload_plan"]
+
 #: tensors smaller than this stay where they are (a copy costs more than it frees)
-MIN_OFFLOAD_BYTES = 1024
+_MIN_OFFLOAD_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Per decoder layer, where checkpointing keeps what it saves and what it keeps: the first
+    ``layers`` checkpointed layers keep it in pinned host memory (the last ones, which backward needs
+    first, on the device); the first ``recompute`` keep only their input, their attention forward
+    running again in backward (plain recompute instead of remat: half the bytes per token, one more
+    attention forward per step each)."""
+
+    layers: int
+    recompute: int = 0
+
+
+_EVERY_LAYER = 2**31
+_OFFLOAD_HELP = ("use True (every layer), False, a number of layers N >= 0 (the first N decoder layers keep "
+                 "their checkpoints in host memory), or {'layers': N, 'recompute': R} (of the first R layers "
+                 "only the input is kept: plain recompute).")
+
+
+def offload_plan(offload: bool | int | Mapping | OffloadPlan | None) -> OffloadPlan:
+    """The :class:`OffloadPlan` of an ``offload_checkpoints`` value: ``True`` every layer, ``False`` none,
+    ``N`` the first N, a mapping with ``layers`` (and ``recompute``), or a plan; ValueError otherwise."""
+    if isinstance(offload, OffloadPlan):
+        plan = offload
+    elif offload is True:
+        plan = OffloadPlan(_EVERY_LAYER)
+    elif offload is False or offload is None:
+        plan = OffloadPlan(0)
+    elif isinstance(offload, int):
+        plan = OffloadPlan(offload)
+    elif isinstance(offload, Mapping) and set(offload) <= {"layers", "recompute"} and "layers" in offload:
+        plan = OffloadPlan(**offload)
+    else:
+        raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
+    for value in (plan.layers, plan.recompute):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
+    return plan
 
 
 @dataclass
@@ -166,7 +211,7 @@ class CheckpointOffloader:
     ``min_bytes``: smaller tensors stay on the device.
     """
 
-    def __init__(self, *, min_bytes: int = MIN_OFFLOAD_BYTES) -> None:
+    def __init__(self, *, min_bytes: int = _MIN_OFFLOAD_BYTES) -> None:
         self.min_bytes = min_bytes
         self.stats = OffloadStats()
         self._groups: weakref.WeakValueDictionary[int, _Group] = weakref.WeakValueDictionary()
@@ -323,41 +368,12 @@ class CheckpointOffloader:
             if slot.host is not None and slot.device_tensor is None:
                 self._copy_in(slot, wait=False)
             if slot.cache_entry is not None:
-                self._hand_to_cache(slot)
+                _refill_cache_entry(slot.cache_entry, slot.device_tensor, slot.h2d_done)
+                slot.cache_entry = slot.device_tensor = slot.h2d_done = None  # the cache holds it now
             elif slot.h2d_done is not None:
                 torch.cuda.current_stream(slot.device).wait_event(slot.h2d_done)
                 slot.device_tensor.record_stream(torch.cuda.current_stream(slot.device))
                 slot.h2d_done = None
-
-    @staticmethod
-    def _hand_to_cache(slot: _Slot) -> None:
-        """Put the slot's device tensor back into its selective-checkpoint cache entry. While its copy
-        may still run, the entry's first read makes the compute stream wait for it (a wrapper class
-        without ``get_val`` gets the wait now)."""
-        entry, tensor, done = slot.cache_entry, slot.device_tensor, slot.h2d_done
-        entry.val = tensor
-        if getattr(entry, "version", None) is not None:
-            entry.version = tensor._version
-        if done is not None:
-            def wait_for_copy() -> None:
-                current = torch.cuda.current_stream(tensor.device)
-                current.wait_event(done)
-                tensor.record_stream(current)
-
-            read = getattr(type(entry), "get_val", None)
-            if read is None:
-                wait_for_copy()
-            else:
-                entry_ref = weakref.ref(entry)  # no cycle through the entry's own attribute
-
-                def get_val(*args: Any, **kwargs: Any) -> Any:
-                    this = entry_ref()
-                    del this.get_val  # the class's method again
-                    wait_for_copy()
-                    return read(this, *args, **kwargs)
-
-                entry.get_val = get_val
-        slot.cache_entry = slot.device_tensor = slot.h2d_done = None  # the cache holds it now
 
     def _copy_in(self, slot: _Slot, *, wait: bool) -> torch.Tensor:
         host = slot.host
@@ -378,6 +394,36 @@ class CheckpointOffloader:
             tensor = host.clone()  # the "device" copy (the host buffer goes back to the pool)
         slot.device_tensor = tensor
         return tensor
+
+
+def _refill_cache_entry(entry: Any, tensor: torch.Tensor, copy_done: Any) -> None:
+    """Put ``tensor`` back into its selective-checkpoint cache ``entry``. While its host-to-device copy may
+    still run (``copy_done``: the copy's event; None once waited for), the entry's first read makes the
+    compute stream wait for it (a wrapper class without ``get_val`` gets the wait now)."""
+    entry.val = tensor
+    if getattr(entry, "version", None) is not None:
+        entry.version = tensor._version
+    if copy_done is None:
+        return
+
+    def wait_for_copy() -> None:
+        current = torch.cuda.current_stream(tensor.device)
+        current.wait_event(copy_done)
+        tensor.record_stream(current)
+
+    read = getattr(type(entry), "get_val", None)
+    if read is None:
+        wait_for_copy()
+        return
+    entry_ref = weakref.ref(entry)  # no cycle through the entry's own attribute
+
+    def get_val(*args: Any, **kwargs: Any) -> Any:
+        this = entry_ref()
+        del this.get_val  # the class's method again
+        wait_for_copy()
+        return read(this, *args, **kwargs)
+
+    entry.get_val = get_val
 
 
 def _unregister(pinned: set[int]) -> None:

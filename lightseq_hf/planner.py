@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ._values import is_positive_int
+from .offload import OffloadPlan, offload_plan
 from .step_bytes import (
     _BYTES,
     Bytes,
@@ -110,45 +111,6 @@ class ModelShape:
     def params(self) -> int:
         embed = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * self.layer_params + embed + self.hidden
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """Per decoder layer, where checkpointing keeps what it saves and what it keeps: the first
-    ``layers`` checkpointed layers keep it in pinned host memory (the last ones, which backward needs
-    first, on the device); the first ``recompute`` keep only their input, their attention forward
-    running again in backward (plain recompute instead of remat: half the bytes per token, one more
-    attention forward per step each)."""
-
-    layers: int
-    recompute: int = 0
-
-
-_EVERY_LAYER = 2**31
-_OFFLOAD_HELP = ("use True (every layer), False, a number of layers N >= 0 (the first N decoder layers keep "
-                 "their checkpoints in host memory), or {'layers': N, 'recompute': R} (of the first R layers "
-                 "only the input is kept: plain recompute).")
-
-
-def offload_plan(offload: bool | int | Mapping | OffloadPlan | None) -> OffloadPlan:
-    """The :class:`OffloadPlan` of an ``offload_checkpoints`` value: ``True`` every layer, ``False`` none,
-    ``N`` the first N, a mapping with ``layers`` (and ``recompute``), or a plan; ValueError otherwise."""
-    if isinstance(offload, OffloadPlan):
-        plan = offload
-    elif offload is True:
-        plan = OffloadPlan(_EVERY_LAYER)
-    elif offload is False or offload is None:
-        plan = OffloadPlan(0)
-    elif isinstance(offload, int):
-        plan = OffloadPlan(offload)
-    elif isinstance(offload, Mapping) and set(offload) <= {"layers", "recompute"} and "layers" in offload:
-        plan = OffloadPlan(**offload)
-    else:
-        raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
-    for value in (plan.layers, plan.recompute):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"offload_checkpoints={offload!r}: {_OFFLOAD_HELP}")
-    return plan
 
 
 @dataclass(frozen=True)

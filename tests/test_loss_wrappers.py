@@ -2,10 +2,10 @@
 
 The sequence-parallel tiny Llama (both ranks one group) is wrapped the way accelerate's FSDP2 plugin
 does it (accelerate's own ``fsdp2_prepare_model``: decoder layers, the embedding, and
-``[final norm, lm_head]`` as their own units — the wrapping that broke the 7B main job), FSDP2 with the
-head under the root only, FSDP2 with the head on its own, FSDP1, DDP, and a LoRA-wrapped head. For each,
-three float64 AdamW steps give the losses and gradients of the unpatched model on one process, and the fused
-loss is proven taken: the head ran once per chunk in forward and never in backward.
+``[final norm, lm_head]`` as their own units), FSDP2 with the head under the root only, FSDP2 with the
+head on its own, FSDP1, DDP, and a LoRA-wrapped head. For each, three float64 AdamW steps give the losses
+and gradients of the unpatched model on one process, and the fused loss is proven taken: the head ran
+once per chunk of rows in forward and never in backward.
 """
 
 from __future__ import annotations
@@ -115,7 +115,8 @@ def _reference(how: str):
 
 def _check_wrapping(how: str) -> list[str]:
     import lightseq_hf
-    from lightseq_hf.parallel import fused_loss, ops
+    from lightseq_hf.parallel import ops
+    from lightseq_hf.patches import forward
 
     ref = _reference(how)  # before patching: the unpatched model on this process alone
     model = make_model("llama", layers=LAYERS, seed=5).double()
@@ -123,28 +124,37 @@ def _check_wrapping(how: str) -> list[str]:
         model = _lora(model)
     lightseq_hf.patch_model(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    head = model.get_output_embeddings()
+    head = getattr(head, "base_layer", head)  # LoRA's layer computes through the plain Linear it wraps
     model = _wrap(model, how)
 
-    seen = {"fused": 0, "attention": []}
-    original_apply, original_attention = fused_loss._HeadCrossEntropySum.apply, ops.dist_attn_forward
+    seen = {"head_rows": [], "attention": []}
+    original_linear, original_attention = torch.nn.Linear.forward, ops.dist_attn_forward
 
-    def counting_apply(*args):
-        seen["fused"] += 1
-        return original_apply(*args)
+    def recording_linear(self, x, *args, **kwargs):
+        if self is head:
+            seen["head_rows"].append(x.numel() // x.shape[-1])
+        return original_linear(self, x, *args, **kwargs)
 
     def recording_attention(q, *args, **kwargs):
         seen["attention"].append(q.shape[1])
         return original_attention(q, *args, **kwargs)
 
-    fused_loss._HeadCrossEntropySum.apply, ops.dist_attn_forward = counting_apply, recording_attention
+    chunk, original_chunk = 8, forward.LOSS_CHUNK_TOKENS
+    torch.nn.Linear.forward, ops.dist_attn_forward, forward.LOSS_CHUNK_TOKENS = (
+        recording_linear, recording_attention, chunk)
     try:
         got = _run(model, STEPS)
     finally:
-        fused_loss._HeadCrossEntropySum.apply, ops.dist_attn_forward = original_apply, original_attention
+        torch.nn.Linear.forward, ops.dist_attn_forward, forward.LOSS_CHUNK_TOKENS = (
+            original_linear, original_attention, original_chunk)
         lightseq_hf.unpatch_llama()
     failures = []
-    if seen["fused"] != STEPS:
-        failures.append(f"{how}: the fused loss ran {seen['fused']} times in {STEPS} steps")
+    # the fused loss: the head ran on one row (its width) and then on chunks of the slice's rows, in
+    # forward only (backward reads no weight): never on the whole slice, never again in backward
+    rows = 2 * (SEQ // 2)
+    if seen["head_rows"] != ([1] + [min(chunk, rows - i) for i in range(0, rows, chunk)]) * STEPS:
+        failures.append(f"{how}: the output head ran on {seen['head_rows']} rows ({rows} per step)")
     # the split: every layer's attention saw half the sequence, once per step (remat: no recompute)
     if seen["attention"] != [SEQ // 2] * (LAYERS * STEPS):
         failures.append(f"{how}: distributed attention calls saw local lengths {seen['attention']}")

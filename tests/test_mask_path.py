@@ -1,7 +1,7 @@
 """The attention mask is one value from ``dist_flash_attn`` down to the kernels.
 
 ``dist_flash_attn`` builds a ``SequenceMask``; the custom ops take it as their trailing arguments and
-decode it once per op call; the loops cut each task's ``AttentionMask`` from it (``TaskMasks``) and hand it
+decode it; the loops cut each task's ``AttentionMask`` from it (``TaskMasks``) and hand it
 to the kernel as ``mask=``. Direct kernel calls may pass the mask's fields as keywords instead (one
 ``AttentionMask`` built at the call), never both.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from doc_reference import per_document_attention
 from varlen_emulation import install as install_varlen
 
 import lightseq_hf
@@ -22,7 +23,6 @@ from lightseq_hf.kernels import (
     register_backend,
     unregister_backend,
 )
-from lightseq_hf.parallel import sequence_mask
 from lightseq_hf.parallel.comm import Pending
 from lightseq_hf.parallel.dist_attn import TaskMasks, dist_attn_forward
 from lightseq_hf.parallel.schedule import build_schedule
@@ -116,20 +116,25 @@ def test_the_sequence_mask_crosses_the_op_boundary_unchanged():
 @pytest.mark.parametrize("representation", ["key_range", "doc_blocks"])
 def test_one_mask_from_the_api_to_the_kernel(representation, recording, monkeypatch):
     """Packed rows (with a window and a soft-cap for the key-range kernel, as document blocks for the
-    emulated varlen kernel), forward and backward: the segments are decoded once per op call (two op
-    calls), and every kernel call gets the task's AttentionMask as ``mask=``."""
-    decoded = []
-    decode = sequence_mask.decode_segments
-    monkeypatch.setattr(sequence_mask, "decode_segments", lambda flat: decoded.append(1) or decode(flat))
+    emulated varlen kernel), forward and backward: out and the gradients are each document's own attention
+    (the float64 per-document reference), and every kernel call gets the task's AttentionMask as ``mask=``,
+    with the call's window and soft-cap."""
     if representation == "doc_blocks":
         install_varlen(setattr_=monkeypatch.setattr)
         calls, options = recording(kernel_named("flash_varlen")), {}
     else:
         calls, options = recording(ReferenceKernel()), {"window": 5, "softcap": 3.0}
-    q, k, v, dout = (t.requires_grad_() for t in _inputs(2))
-    seg = Segments(16, (((0, 7), (7, 16)), ((1, 13),)))
-    lightseq_hf.dist_flash_attn(q, k, v, segments=seg, backend="recording", **options).backward(dout)
-    assert len(decoded) == 2
+    q, k, v, dout = _inputs(2)
+    docs = (((0, 7), (7, 16)), ((1, 13),))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = lightseq_hf.dist_flash_attn(*leaves, segments=Segments(16, docs), backend="recording", **options)
+    out.backward(dout)
+    expected = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference, _ = per_document_attention(*expected, docs, **options)
+    reference.backward(dout)
+    torch.testing.assert_close(out, reference)
+    for name, got, want in zip(("dq", "dk", "dv"), leaves, expected):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
     assert [kind for kind, _ in calls] == ["forward", "backward"]
     assert not _mask_only(calls)
     for mask in (kw["mask"] for _, kw in calls):

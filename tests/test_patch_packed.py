@@ -42,24 +42,13 @@ def per_document_reference(model, ids, labels, doc_lens):
 
 
 def worker_packed_model(rank, world):
-    import pytest
-
-    from lightseq_hf.parallel import ops
-
-    seen = []
-    original_plan = ops._plan
-
-    def recording_plan(world_, mask, schedule, device):
-        seen.append((mask.segments is not None, mask.window or 0))
-        return original_plan(world_, mask, schedule, device)
-
-    with pytest.MonkeyPatch.context() as patches:
-        patches.setattr(ops, "_plan", recording_plan)
-        return packed_model_cases(world, seen)
+    return packed_model_cases(world)
 
 
-def packed_model_cases(world, seen):
-    """The cases against their references; ``seen`` collects each attention call's (segments?, window)."""
+def packed_model_cases(world):
+    """The cases against their references, and the mask every distributed attention call got: packed
+    documents (and the window) wherever the rows hold documents or padding."""
+    from kernel_checks import OpCalls
     from tiny_models import VOCAB, loss_and_grads, make_model
 
     import lightseq_hf
@@ -99,18 +88,18 @@ def packed_model_cases(world, seen):
         if how == "cu_seq_lens":
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(doc_lens),
                           max_length_k=max(doc_lens))
-        seen.clear()
-        loss, grads, _ = loss_and_grads(model, **inputs)
+        with OpCalls() as calls:
+            loss, grads, _ = loss_and_grads(model, **inputs)
         failures += compare(tag, loss, grads, *refs[i], world)
         want_window = overrides.get("sliding_window", 0)
-        if not seen or any(s != (True, want_window) for s in seen):
-            failures.append(f"{tag}: attention got (segments, window) {set(seen)}, want window {want_window}")
+        if not calls.masks or any(m != (True, want_window) for m in calls.masks):
+            failures.append(f"{tag}: attention got (segments, window) {set(calls.masks)}, want {want_window}")
 
     model = lightseq_hf.patch_llama(make_model("qwen2", seed=9))
-    seen.clear()
-    loss, grads, _ = loss_and_grads(model, input_ids=pad_ids, labels=pad_labels, attention_mask=mask)
+    with OpCalls() as calls:
+        loss, grads, _ = loss_and_grads(model, input_ids=pad_ids, labels=pad_labels, attention_mask=mask)
     failures += compare("padding masks", loss, grads, *pad_ref, world)
-    if not seen or not all(s[0] for s in seen):
+    if not calls.masks or not all(packed for packed, _ in calls.masks):
         failures.append("padding masks: attention got no segments")
     lightseq_hf.unpatch_llama()
     return failures

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-from lightseq_hf.parallel import current_groups, init_sequence_parallel, teardown
-from lightseq_hf.parallel.ops import _comms, _context, group_handle
+import lightseq_hf
+from lightseq_hf.parallel import current_groups, init_sequence_parallel, ops, teardown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,8 @@ def worker_release(rank: int, world: int) -> list[str]:
     dist.all_reduce(x)  # gloo starts a group's threads at its first collective
     before = len(teardown.gloo_worker_states())
     groups = init_sequence_parallel(1)  # a one-rank gloo group per rank, with its own worker threads
-    _context(group_handle(groups.sp_group), torch.device("cpu"))  # the ring's cached PeerComm holds it too
+    q = torch.randn(1, 4, 2, 8)
+    lightseq_hf.dist_flash_attn(q, q, q, group=groups.sp_group)  # the ring's cached PeerComm holds it too
     dist.all_reduce(x, group=groups.sp_group)
     dist.barrier()
     with_group = len(teardown.gloo_worker_states())
@@ -37,8 +38,8 @@ def worker_release(rank: int, world: int) -> list[str]:
     if len(teardown.gloo_worker_states()) != with_group:
         failures.append(f"rank {rank}: the group's threads ended while the library held it")
     teardown.release_at_exit()
-    if current_groups() is not None or _comms:
-        failures.append(f"rank {rank}: the library still holds groups: {current_groups()}, {list(_comms)}")
+    if current_groups() is not None or (held := ops.release_comms()):
+        failures.append(f"rank {rank}: the library still holds groups: {current_groups()}, {held} rings")
     deadline = time.monotonic() + 5.0  # a joined thread can stay listed in /proc for a moment
     while len(teardown.gloo_worker_states()) != before and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -58,11 +59,14 @@ def test_release_at_exit_joins_the_threads_of_the_library_groups():
 _EXIT_SCRIPT = """
 import atexit
 {before}
-import lightseq_hf.parallel.ops as ops
+import torch
+import lightseq_hf
+from lightseq_hf.parallel import ops
 {after}
-ops._comms[("group", "cpu")] = None
+q = torch.randn(1, 4, 2, 8)
+lightseq_hf.dist_flash_attn(q, q, q)  # its ring is kept for the next call
 """
-_REPORT = 'atexit.register(lambda: print("held at the end:", len(ops._comms)))'
+_REPORT = 'atexit.register(lambda: print("held at the end:", ops.release_comms()))'
 
 
 def test_the_handler_runs_at_exit():

@@ -11,5 +11,8 @@ reads an environment variable for these; tests and benchmarks call the functions
 - :mod:`.kernel_knobs`: the Triton kernels' handles and autotune configs, the dk/dv split, whether the
   cuDNN backward fell back to flash.
 - :mod:`.views`: read-only views of internal state (the offloader's pooled host buffers).
+- :mod:`.offload_cache`: the offloader's hand-back of a cached attention tensor, on the CPU.
 - :mod:`.trainer_variants`: the fine-tune's trainer with one behaviour changed, for memory checks.
 """
+
+__all__ = []

@@ -25,34 +25,36 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+__all__ = ["ENV", "act", "main", "parse"]
+
 ENV = "LIGHTSEQ_TEST_FAULTS"
-POINTS = ("step", "loss", "save", "forward", "backward")
-ACTIONS = ("kill", "stop", "hang", "nan", "oom", "raise", "diskfull")
+_POINTS = ("step", "loss", "save", "forward", "backward")
+_ACTIONS = ("kill", "stop", "hang", "nan", "oom", "raise", "diskfull")
 _STEP = [0]  # the step whose training pass is running (0: none, e.g. the first step's parity check)
 
 
 @dataclass(frozen=True)
-class Fault:
+class _Fault:
     point: str
     rank: int
     step: int
     action: str
 
 
-def parse(spec: str) -> list[Fault]:
+def parse(spec: str) -> list[_Fault]:
     """``"point:rank:step:action,..."`` -> faults; ValueError naming a malformed entry."""
     faults = []
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         parts = entry.split(":")
-        if len(parts) != 4 or parts[0] not in POINTS or parts[3] not in ACTIONS \
+        if len(parts) != 4 or parts[0] not in _POINTS or parts[3] not in _ACTIONS \
                 or not (parts[1].isdigit() and parts[2].isdigit()):
             raise ValueError(f"{ENV} entry {entry!r} must look like point:rank:step:action with point one of "
-                             f"{', '.join(POINTS)} and action one of {', '.join(ACTIONS)}")
-        faults.append(Fault(parts[0], int(parts[1]), int(parts[2]), parts[3]))
+                             f"{', '.join(_POINTS)} and action one of {', '.join(_ACTIONS)}")
+        faults.append(_Fault(parts[0], int(parts[1]), int(parts[2]), parts[3]))
     return faults
 
 
-def act(faults: list[Fault], point: str, rank: int, step: int) -> bool:
+def act(faults: list[_Fault], point: str, rank: int, step: int) -> bool:
     """Carry out the fault at ``(point, rank, step)``, if one is listed; True for ``nan``."""
     for f in faults:
         if (f.point, f.rank, f.step) != (point, rank, step):
@@ -85,11 +87,11 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
-def _listed(faults: list[Fault], point: str, step: int) -> bool:
+def _listed(faults: list[_Fault], point: str, step: int) -> bool:
     return any((f.point, f.rank, f.step) == (point, _rank(), step) for f in faults)
 
 
-def add_layer_faults(model, faults: list[Fault]) -> None:
+def _add_layer_faults(model, faults: list[_Fault]) -> None:
     """Points forward and backward: a forward hook on the model's first decoder layer."""
     armed: set[int] = set()
 
@@ -104,7 +106,7 @@ def add_layer_faults(model, faults: list[Fault]) -> None:
     model.get_decoder().layers[0].register_forward_hook(hook)
 
 
-def install(faults: list[Fault]) -> None:
+def _install(faults: list[_Fault]) -> None:
     """Wrap ``Trainer._forward_backward`` (points step, loss, and the step the layer points see),
     the fine-tune's ``apply_patch`` (points forward, backward) and ``checkpoints.write_training_state``
     (point save) so that they carry out ``faults``."""
@@ -127,7 +129,7 @@ def install(faults: list[Fault]) -> None:
     @functools.wraps(apply_patch)
     def faulty_apply_patch(model, *args, **kwargs):
         model = apply_patch(model, *args, **kwargs)
-        add_layer_faults(model, faults)
+        _add_layer_faults(model, faults)
         return model
 
     @functools.wraps(write_state)
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     """``lightseq-finetune`` with the faults of ``LIGHTSEQ_TEST_FAULTS`` installed in every worker."""
     from lightseq_hf.training.cli import run
 
-    install(parse(os.environ.get(ENV, "")))
+    _install(parse(os.environ.get(ENV, "")))
     run(argv, worker_module="lightseq_hf._testing.faults")
 
 

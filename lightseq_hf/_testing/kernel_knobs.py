@@ -18,6 +18,11 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
+__all__ = [
+    "AUTOTUNED", "cudnn_backward_fell_back", "cudnn_fe_op_calls", "force_dkdv_split", "single_triton_config",
+    "triton_kernels",
+]
+
 #: the autotuned Triton attention kernels, by name
 AUTOTUNED = ("fwd", "dkdv", "dq")
 

@@ -8,6 +8,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+__all__ = ["keep_parameter_lists", "no_sync_until_last_micro_batch"]
+
 
 @contextlib.contextmanager
 def keep_parameter_lists() -> Iterator[list]:

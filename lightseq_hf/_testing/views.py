@@ -6,6 +6,8 @@ import torch
 
 from ..offload import HostBufferPool
 
+__all__ = ["pooled_host_buffers"]
+
 
 def pooled_host_buffers(pool: HostBufferPool) -> list[torch.Tensor]:
     """The host buffers ``pool`` holds for reuse (those no step is using now)."""

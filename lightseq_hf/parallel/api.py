@@ -18,10 +18,12 @@ from .schedule import SCHEDULES
 from .segments import Segments, as_segments
 from .sequence_mask import SequenceMask
 
+__all__ = ["dist_flash_attn"]
+
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
-def check_same_shapes(
+def _check_same_shapes(
     q: torch.Tensor,
     k: torch.Tensor,
     causal: bool,
@@ -228,7 +230,7 @@ def dist_flash_attn(
     chosen = select_backend(backend, request)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if check_shapes:
-        check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend,
+        _check_same_shapes(q, k, causal, group, v=v, scale=scale, schedule=schedule, backend=backend,
                           mask_digest=mask.digest(), chosen=chosen)
     _check_not_a_shards_cu_seqlens(cu_seqlens, seg, world, q.shape[1])  # after the check: every rank agrees
     out, lse = dist_attn_fwd(q, k, v, float(scale), group_handle(group), schedule, chosen, *mask.op_args())

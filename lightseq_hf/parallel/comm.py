@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+__all__ = ["PeerComm", "Pending", "Transfers"]
+
 
 @dataclass
 class Transfers:

@@ -39,9 +39,11 @@ from .merge import empty_running, merge_into
 from .schedule import Schedule, SpanTask, Task
 from .segments import local_key_range
 
-Bundle = dict[str, torch.Tensor]
+__all__ = ["TaskMasks", "dist_attn_backward", "dist_attn_forward"]
+
+_Bundle = dict[str, torch.Tensor]
 #: ``task -> DocBlocks``: the documents of a task as blocks, for kernels with ``supports_doc_blocks``.
-BlocksOf = Callable[[SpanTask], DocBlocks]
+_BlocksOf = Callable[[SpanTask], DocBlocks]
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class TaskMasks:
     document blocks (``blocks_of``); with the ``window`` the ranges encode and the ``softcap``."""
 
     ranges: KeyRange | None = None
-    blocks_of: BlocksOf | None = None
+    blocks_of: _BlocksOf | None = None
     window: int | None = None
     softcap: float | None = None
 
@@ -126,9 +128,9 @@ def _plan_fetch(
     schedule: Schedule,
     t: int,
     rank: int,
-    q_rows: Callable[[Task], Bundle],
-    kv_side: Bundle,
-) -> tuple[Transfers, tuple[Task | None, Bundle, Bundle]]:
+    q_rows: Callable[[Task], _Bundle],
+    kv_side: _Bundle,
+) -> tuple[Transfers, tuple[Task | None, _Bundle, _Bundle]]:
     """Transfers bringing step ``t``'s query-side and key-side tensors to whoever computes.
 
     ``q_rows(task)`` gives views of this rank's query-side tensors for the task's rows, ``kv_side`` this
@@ -136,10 +138,10 @@ def _plan_fetch(
     contiguous, received ones land in fresh contiguous buffers.
     """
 
-    def q_side(task: Task) -> Bundle:
+    def q_side(task: Task) -> _Bundle:
         return {name: x.contiguous() for name, x in q_rows(task).items()}
 
-    def kv_rows(task: Task) -> Bundle:
+    def kv_rows(task: Task) -> _Bundle:
         return {name: _keys(x, task) for name, x in kv_side.items()}
 
     step = schedule.steps[t]
@@ -152,8 +154,8 @@ def _plan_fetch(
         if task.kv_owner == rank:
             transfers.sends += [(peer, x.contiguous()) for x in kv_rows(task).values()]
     task = step[rank]
-    q_in: Bundle = {}
-    kv_in: Bundle = kv_side
+    q_in: _Bundle = {}
+    kv_in: _Bundle = kv_side
     if task is not None:
         if task.q_owner != rank:
             q_in = {name: _buffer_like(x) for name, x in q_rows(task).items()}
@@ -192,13 +194,13 @@ def dist_attn_forward(
     copy_first = (own[0] if own and own[0].rows(chunk) == (0, chunk)
                   and not kernel.capabilities.merges_in_kernel else None)
 
-    def q_rows(task: Task) -> Bundle:
+    def q_rows(task: Task) -> _Bundle:
         return {"q": _rows(q, task, 1)}
 
     def plan_inputs(t: int):
         return _plan_fetch(schedule, t, rank, q_rows, {"k": k, "v": v})
 
-    def compute(t: int, inputs) -> Bundle | None:
+    def compute(t: int, inputs) -> _Bundle | None:
         task, q_in, kv_in = inputs
         if task is None:
             return None
@@ -218,7 +220,7 @@ def dist_attn_forward(
         part_out, part_lse = kernel.forward(qt, kt, vt, scale=scale, mask=mask)
         return {"out": part_out.to(q.dtype), "lse": part_lse.to(lse.dtype)}
 
-    def plan_results(t: int, produced: Bundle | None):
+    def plan_results(t: int, produced: _Bundle | None):
         transfers, merges = Transfers(), []
         step = schedule.steps[t]
         mine = step[rank]
@@ -241,7 +243,7 @@ def _plan_gradients(
     schedule: Schedule,
     t: int,
     rank: int,
-    produced: Bundle | None,
+    produced: _Bundle | None,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
 ) -> tuple[Transfers, list[Callable[[], None]]]:
@@ -312,7 +314,7 @@ def dist_attn_backward(
     dout = dout.contiguous()
     chunk = q.shape[1]
 
-    def q_rows(task: Task) -> Bundle:
+    def q_rows(task: Task) -> _Bundle:
         return {
             "q": _rows(q, task, 1),
             "dout": _rows(dout, task, 1),
@@ -323,7 +325,7 @@ def dist_attn_backward(
     def plan_inputs(t: int):
         return _plan_fetch(schedule, t, rank, q_rows, {"k": k, "v": v})
 
-    def compute(t: int, inputs) -> Bundle | None:
+    def compute(t: int, inputs) -> _Bundle | None:
         task, q_in, kv_in = inputs
         if task is None:
             return None
@@ -346,7 +348,7 @@ def dist_attn_backward(
             "dv": None if own_kv else grads[2].to(v.dtype),
         }
 
-    def plan_results(t: int, produced: Bundle | None):
+    def plan_results(t: int, produced: _Bundle | None):
         return _plan_gradients(schedule, t, rank, produced, (dq, dk, dv), (q.dtype, k.dtype, v.dtype))
 
     _run_steps(comm, len(schedule.steps), plan_inputs, compute, plan_results)

@@ -26,6 +26,8 @@ from ..kernels.base import DocBlocks, make_doc_blocks
 from .schedule import SpanTask
 from .segments import Segments
 
+__all__ = ["DocSpan", "doc_spans", "task_doc_blocks"]
+
 
 @dataclass(frozen=True)
 class DocSpan:

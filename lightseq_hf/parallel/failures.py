@@ -2,7 +2,7 @@
 
 A rank that stops on an exception publishes one line about it in the default process group's store
 (:func:`publish_notice`, :func:`report_failure`: ``lightseq-finetune``'s workers publish theirs, and
-importing ``lightseq_hf`` chains :func:`excepthook` into ``sys.excepthook`` for scripts of one's own). The
+importing ``lightseq_hf`` chains :func:`_excepthook` into ``sys.excepthook`` for scripts of one's own). The
 others read those lines (:func:`read_notices`): the fine-tune's peer watch ends a rank as soon as another
 published (:mod:`lightseq_hf.training.failures`), and a rank whose collective fails because the failed
 rank left turns the backend's error ("Connection closed by peer") into a :class:`PeerFailure` naming the
@@ -20,6 +20,11 @@ import sys
 from typing import Any
 
 import torch.distributed as dist
+
+__all__ = [
+    "PeerFailure", "explain_peer_failure", "failure_line", "install_excepthook", "is_comm_failure",
+    "one_line", "publish_notice", "read_notices", "report_failure",
+]
 
 _NOTICE, _COUNT = "lightseq_failure/notice/", "lightseq_failure/count"
 _published = [False]  # this process published its failure
@@ -106,7 +111,7 @@ def report_failure(exc: BaseException) -> None:
             pass
 
 
-def reported_failures() -> dict[int, str]:
+def _reported_failures() -> dict[int, str]:
     """The failures other ranks published, by global rank (empty when none, or without a store)."""
     store = _store()
     try:
@@ -119,7 +124,7 @@ def explain_peer_failure(exc: BaseException, operation: str, unexplained: str = 
     """The one-line :class:`PeerFailure` for ``exc``, a failed ``operation`` of this rank: the failure
     another rank published, else ``unexplained`` (what this rank knows) and the backend's reason."""
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    failed = reported_failures()
+    failed = _reported_failures()
     if failed:
         rank, line = min(failed.items())
         return PeerFailure(f"rank {me}: {operation} could not complete: {line}", rank, line)
@@ -128,7 +133,7 @@ def explain_peer_failure(exc: BaseException, operation: str, unexplained: str = 
                        f"{one_line(exc)}")
 
 
-def excepthook(kind, value, traceback, previous=sys.excepthook) -> None:
+def _excepthook(kind, value, traceback, previous=sys.excepthook) -> None:
     """``sys.excepthook`` with a process group: a failed collective is one line naming the rank that
     failed; any other uncaught exception is published for the peers, then shown as usual."""
     if isinstance(value, Exception) and dist.is_available() and dist.is_initialized():
@@ -143,13 +148,13 @@ def excepthook(kind, value, traceback, previous=sys.excepthook) -> None:
 
 
 def install_excepthook() -> None:
-    """Chain :func:`excepthook` in front of the current ``sys.excepthook`` (once)."""
+    """Chain :func:`_excepthook` in front of the current ``sys.excepthook`` (once)."""
     current = sys.excepthook
     if getattr(current, "_lightseq_failures", False):
         return
 
     def hook(kind, value, traceback):
-        excepthook(kind, value, traceback, previous=current)
+        _excepthook(kind, value, traceback, previous=current)
 
     hook._lightseq_failures = True
     sys.excepthook = hook

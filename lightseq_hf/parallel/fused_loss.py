@@ -13,6 +13,8 @@ import contextlib
 
 import torch
 
+__all__ = ["IGNORE_INDEX", "chunked_loss_sum", "fused_head"]
+
 #: The label cross-entropy ignores (Hugging Face's and PyTorch's convention).
 IGNORE_INDEX = -100
 

@@ -20,6 +20,11 @@ import torch.distributed as dist
 
 from .._values import is_positive_int
 
+__all__ = [
+    "ParallelGroups", "check_launched", "current_groups", "init_sequence_parallel", "launched_world_size",
+    "release_groups",
+]
+
 
 @dataclass(frozen=True)
 class ParallelGroups:

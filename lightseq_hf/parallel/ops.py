@@ -22,6 +22,11 @@ from .segment_schedule import build_segment_schedule
 from .segments import key_ranges
 from .sequence_mask import OpMaskArgs, SequenceMask
 
+__all__ = [
+    "BACKWARD_CHUNK_BYTES", "backward_chunks", "dist_attn_bwd", "dist_attn_fwd", "group_handle",
+    "group_rank_and_size", "release_comms",
+]
+
 _comms: dict[tuple[str, str], PeerComm] = {}
 
 #: The distributed backward runs over groups of heads, one after the other, so that its float32

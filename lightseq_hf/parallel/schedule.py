@@ -19,7 +19,7 @@ Kinds (causal):
   (otherwise idle) key owner ``i - P/2``, which already holds the keys and needs only
   half the query rows. Critical path ``P / 2`` for every ``P``: the ideal.
 - ``"pipelined"``: ``"balanced"`` with its last step run as two half-size steps
-  (:func:`pipeline_last_step`), so the results of the first half travel while the second
+  (:func:`_pipeline_last_step`), so the results of the first half travel while the second
   half computes and only a half-size transfer is left after the last compute.
 
 Non-causal attention is a plain ring for every kind: ``P`` steps of full blocks.
@@ -35,6 +35,11 @@ import torch
 
 from .._values import is_positive_int
 from .segments import visible_pairs
+
+__all__ = [
+    "BackwardWork", "SCHEDULES", "Schedule", "SpanTask", "Task", "backward_work", "block_work",
+    "build_schedule", "required_blocks",
+]
 
 SCHEDULES = ("balanced", "paper", "ring", "pipelined")
 
@@ -99,7 +104,7 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
     if not is_positive_int(world):
         raise ValueError(f"world size must be an int >= 1, got {world!r}.")
     if kind == "pipelined":
-        return pipeline_last_step(build_schedule(world, causal, "balanced"), 2, kind)
+        return _pipeline_last_step(build_schedule(world, causal, "balanced"), 2, kind)
     if not causal:
         steps = [tuple(Task(p, (p - t) % world) for p in range(world)) for t in range(world)]
         return Schedule(world, False, kind, tuple(steps))
@@ -128,7 +133,7 @@ def build_schedule(world: int, causal: bool = True, kind: str = "balanced") -> S
     return Schedule(world, True, kind, tuple(steps))
 
 
-def pipeline_last_step(schedule: Schedule, pieces: int, kind: str | None = None) -> Schedule:
+def _pipeline_last_step(schedule: Schedule, pieces: int, kind: str | None = None) -> Schedule:
     """``schedule`` with its last step run as ``pieces`` steps of ``1 / pieces`` the work each.
 
     After the last compute only the last piece's results are left to travel: a task on another rank's

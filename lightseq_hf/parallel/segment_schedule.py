@@ -27,6 +27,11 @@ import torch
 from .schedule import Schedule, SpanTask, block_work
 from .segments import Segments, key_ranges, local_key_range
 
+__all__ = [
+    "BlockTiles", "DEFAULT_COST", "HAND_SET", "PAIRS", "TileCost", "block_tiles", "build_segment_schedule",
+    "modeled_loads", "segment_blocks",
+]
+
 
 @dataclass(frozen=True)
 class TileCost:

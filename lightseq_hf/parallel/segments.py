@@ -27,7 +27,12 @@ from functools import lru_cache
 
 import torch
 
-Doc = tuple[int, int]
+__all__ = [
+    "Segments", "as_segments", "decode_segments", "key_ranges", "local_key_range", "segments_from_hf",
+    "visible_pairs",
+]
+
+_Doc = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -35,7 +40,7 @@ class Segments:
     """Documents ``[start, stop)`` of each batch row of a full sequence of ``length`` tokens."""
 
     length: int
-    docs: tuple[tuple[Doc, ...], ...]
+    docs: tuple[tuple[_Doc, ...], ...]
 
     def __post_init__(self) -> None:
         try:
@@ -86,7 +91,7 @@ class Segments:
                 f"cu_seqlens must start at 0, strictly increase and end at most at batch * length = "
                 f"{total}; got {cu[:8]}{'...' if len(cu) > 8 else ''} (last {cu[-1] if cu else None})."
             )
-        rows: list[list[Doc]] = [[] for _ in range(batch)]
+        rows: list[list[_Doc]] = [[] for _ in range(batch)]
         for start, stop in zip(cu, cu[1:]):
             row = start // length
             if (stop - 1) // length != row:
@@ -206,7 +211,7 @@ def local_key_range(
     return lo_l.to(torch.int32).contiguous(), torch.maximum(hi_l, lo_l).to(torch.int32).contiguous()
 
 
-def _runs(valid: torch.Tensor, starts: torch.Tensor) -> tuple[Doc, ...]:
+def _runs(valid: torch.Tensor, starts: torch.Tensor) -> tuple[_Doc, ...]:
     """Maximal runs of ``valid`` tokens (bool ``(length,)``), also split before every ``starts`` token."""
     if valid.numel() == 0:
         return ()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from ..kernels import MaskKind
 from .segments import Segments, decode_segments
 
+__all__ = ["OpMaskArgs", "SequenceMask"]
+
 #: The custom-op arguments of a :class:`SequenceMask`: causal, :meth:`Segments.encode` (empty: plain rows),
 #: window (0: none), softcap (0.0: none).
 OpMaskArgs = tuple[bool, list[int], int, float]

@@ -16,7 +16,9 @@ import gc
 import os
 import time
 
-GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+__all__ = ["gloo_worker_states", "release_at_exit", "wait_for_idle_gloo_workers"]
+
+_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
 _TASKS = "/proc/self/task"
 
 
@@ -34,7 +36,7 @@ def gloo_worker_states() -> dict[str, tuple[str, str, str]]:
                 fields = dict(line.rstrip("\n").split(":\t", 1) for line in status if ":\t" in line)
         except OSError:  # the thread ended while being read
             continue
-        if fields.get("Name") == GLOO_WORKER:
+        if fields.get("Name") == _GLOO_WORKER:
             states[tid] = (fields["State"][:1], fields["voluntary_ctxt_switches"],
                            fields["nonvoluntary_ctxt_switches"])
     return states

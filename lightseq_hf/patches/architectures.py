@@ -8,7 +8,7 @@ kinds the distributed attention computes exactly: full, sliding-window, chunked.
 refused here, at patch time, by a :class:`UnsupportedModel` error naming the feature and the model type.
 
 The causal LM's own ``forward`` is kept: the patch runs it on this rank's slice of the sequence.
-Its head is read from its source (:func:`head_extras`): a head that is ``logits = self.lm_head(...)``
+Its head is read from its source (:func:`_head_extras`): a head that is ``logits = self.lm_head(...)``
 alone takes the fused chunked loss; statements that change the logits afterwards (soft-capping,
 scaling) keep the model's own head and loss code on the slice.
 """
@@ -24,10 +24,15 @@ from dataclasses import dataclass
 
 import torch
 
+__all__ = [
+    "Architecture", "MEDIA_WORDS", "UnsupportedModel", "decoder_layers", "decoder_stack", "describe",
+    "forward_tree", "is_causal_lm", "uses_attention_interface",
+]
+
 #: layer kinds (``config.layer_types``) the distributed attention computes exactly
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 #: what the other layer kinds of Transformers are, for the refusal message
-OTHER_KINDS = {
+_OTHER_KINDS = {
     "linear_attention": "linear-attention / state-space (Mamba, gated delta net)",
     "conv": "short-convolution",
     "hybrid": "hybrid attention + state-space",
@@ -40,9 +45,9 @@ OTHER_KINDS = {
 }
 #: words of the forward arguments of multimodal models (images, audio, cross-attention states)
 MEDIA_WORDS = ("pixel", "image", "audio", "video", "vision", "speech", "cross_attention", "encoder_hidden")
-CROSS_WORDS = ("cross_attention", "encoder_hidden")
+_CROSS_WORDS = ("cross_attention", "encoder_hidden")
 #: arguments the decoder stack's forward must take (the split passes them)
-DECODER_PARAMS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+_DECODER_PARAMS = ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
 
 
 class UnsupportedModel(ValueError):
@@ -68,7 +73,7 @@ class Architecture:
         return not self.head_extras
 
 
-def causal_lm_class_names() -> frozenset[str]:
+def _causal_lm_class_names() -> frozenset[str]:
     """Names of the classes ``AutoModelForCausalLM`` builds, for every model type Transformers has."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -87,7 +92,7 @@ def _seq2seq_model_types() -> frozenset[str]:
 def is_causal_lm(model: object) -> bool:
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel) and type(model).__name__ in causal_lm_class_names()
+    return isinstance(model, PreTrainedModel) and type(model).__name__ in _causal_lm_class_names()
 
 
 @functools.cache
@@ -121,7 +126,7 @@ def decoder_stack(model: torch.nn.Module) -> torch.nn.Module | None:
 @functools.cache
 def _called_submodules(cls: type) -> tuple[str, ...]:
     """Dotted attribute paths ``a.b`` of every ``self.a.b(...)`` call in ``cls.forward``, in source order."""
-    tree = _forward_tree(cls)
+    tree = forward_tree(cls)
     paths = []
     for node in ast.walk(tree) if tree is not None else ():
         if isinstance(node, ast.Call):
@@ -148,7 +153,7 @@ def decoder_layers(stack: torch.nn.Module | None) -> torch.nn.ModuleList | None:
     return None
 
 
-def pretrained_base(cls: type) -> type:
+def _pretrained_base(cls: type) -> type:
     """The model family's ``*PreTrainedModel`` class (the direct subclass of ``PreTrainedModel``)."""
     from transformers import PreTrainedModel
 
@@ -175,7 +180,7 @@ def describe(model: torch.nn.Module) -> Architecture:
     if getattr(config, "is_encoder_decoder", False) or model_type in _seq2seq_model_types():
         raise refuse("encoder-decoder models (and their decoders, which attend to encoder states) are not "
                      "supported; the split serves decoder-only causal LMs")
-    if name not in causal_lm_class_names():
+    if name not in _causal_lm_class_names():
         raise refuse("not a causal language model", "Load it with AutoModelForCausalLM.")
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if text_config is not config:
@@ -194,27 +199,27 @@ def describe(model: torch.nn.Module) -> Architecture:
     media = [p for p in (*signature, *inspect.signature(type(model).forward).parameters)
              if any(word in p for word in MEDIA_WORDS)]
     if not getattr(config, "add_cross_attention", False):  # GPT-2 and kin: cross-attention inputs unused
-        media = [p for p in media if not any(word in p for word in CROSS_WORDS)]
+        media = [p for p in media if not any(word in p for word in _CROSS_WORDS)]
     if media:
         raise refuse(f"a multimodal model (its forward takes {', '.join(dict.fromkeys(media))}); its image, "
                      "audio or cross-attention inputs cannot be split along the text sequence")
-    missing = [p for p in DECODER_PARAMS if p not in signature]
+    missing = [p for p in _DECODER_PARAMS if p not in signature]
     if missing:
         raise refuse(f"{type(decoder).__name__}.forward does not take {', '.join(missing)}")
-    head = head_extras(model)
+    head = _head_extras(model)
     if head is None:
         raise refuse(f"{name}.forward computes its loss without self.loss_function")
     features = _features(model, config, kinds, attention, head, refuse)
     return Architecture(
         model_type=model_type, lm_class=type(model), decoder_class=type(decoder),
-        pretrained_class=pretrained_base(type(model)), layer_kinds=kinds,
+        pretrained_class=_pretrained_base(type(model)), layer_kinds=kinds,
         attention_classes=tuple(dict.fromkeys(type(m) for m in attention)), head_extras=head,
-        features=features, positions_from_mask=positions_from_mask(type(decoder)),
+        features=features, positions_from_mask=_positions_from_mask(type(decoder)),
     )
 
 
 @functools.cache
-def positions_from_mask(decoder_class: type) -> bool:
+def _positions_from_mask(decoder_class: type) -> bool:
     """Whether the decoder stack counts the positions of absent ``position_ids`` along the padding mask
     (``position_ids = torch.cumsum(attention_mask, ...)``, OPT) rather than along the row."""
     counting = re.compile(r"position_ids\s*=\s*torch\.cumsum\(\s*\w*mask")
@@ -230,10 +235,10 @@ def _layer_kinds(config, decoder: torch.nn.Module, num_layers: int, refuse) -> t
     if (not kinds and window and getattr(config, "use_sliding_window", True) is not False
             and "create_sliding_window_causal_mask" in _source(type(decoder).forward)):
         kinds = ("sliding_attention",) * num_layers
-    other = [k for k in dict.fromkeys(kinds) if k not in ATTENTION_KINDS]
+    other = [k for k in dict.fromkeys(kinds) if k not in _ATTENTION_KINDS]
     if other:
         where = ", ".join(f"{kinds.count(k)} of {len(kinds)} {k!r}" for k in other)
-        what = ", ".join(OTHER_KINDS.get(k, k) for k in other)
+        what = ", ".join(_OTHER_KINDS.get(k, k) for k in other)
         raise refuse(f"{what} layers ({where}); only full, sliding-window and chunked attention layers are "
                      "split exactly (linear-attention and state-space hybrids are not supported)")
     if "chunked_attention" in kinds and not getattr(config, "attention_chunk_size", None):
@@ -269,7 +274,7 @@ def _attention_modules(layers: torch.nn.ModuleList, refuse) -> list[torch.nn.Mod
 def _passes_keywords(cls: type, attribute: str) -> bool:
     """Whether every ``self.<attribute>(...)`` call in ``cls.forward`` passes ``**kwargs`` on (True when
     the source shows no such call: the run-time check then decides)."""
-    tree = _forward_tree(cls)
+    tree = forward_tree(cls)
     calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
              and isinstance(node.func, ast.Attribute) and node.func.attr == attribute
              and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"] if tree else []
@@ -318,7 +323,7 @@ def _features(model, config, kinds, attention, head: str, refuse) -> tuple[str, 
 # ----------------------------------------------------------------------------- the head, from the source
 
 
-def head_extras(model: torch.nn.Module) -> str | None:
+def _head_extras(model: torch.nn.Module) -> str | None:
     """The statements of the causal LM's ``forward`` that change the logits after its head, as source.
 
     ``""``: the head is ``logits = self.<output embeddings>(hidden_states[:, slice_indices, :])`` (or of a
@@ -327,7 +332,7 @@ def head_extras(model: torch.nn.Module) -> str | None:
     loss reproduces it; a non-empty string: keep the model's own head; ``None``: the forward does
     not compute its loss through ``self.loss_function``.
     """
-    tree = _forward_tree(type(model))
+    tree = forward_tree(type(model))
     if tree is None or not any(isinstance(n, ast.Attribute) and n.attr == "loss_function"
                                and isinstance(n.value, ast.Name) and n.value.id == "self"
                                for n in ast.walk(tree)):
@@ -387,7 +392,7 @@ def _resolve(model: torch.nn.Module, path: str):
 
 
 @functools.cache
-def _forward_tree(cls: type) -> ast.FunctionDef | None:
+def forward_tree(cls: type) -> ast.FunctionDef | None:
     source = _source(cls.forward)
     if not source:
         return None

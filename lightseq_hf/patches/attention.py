@@ -32,8 +32,10 @@ import torch.nn.functional as F
 from ..parallel.api import dist_flash_attn
 from ..parallel.segments import Segments
 
+__all__ = ["ACTIVE_MODEL", "SequenceParallelContext", "chunked_documents", "lightseq_attention"]
+
 #: keyword arguments models pass that do not change the attention of one forward without a cache
-IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions",
+_IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions",
                             "output_hidden_states", "cache_position", "layer_idx", "num_items_in_batch"})
 #: the model type of the sequence-parallel forward in progress (attention without the context is a bug)
 ACTIVE_MODEL = contextvars.ContextVar("lightseq_active_model", default=None)
@@ -94,7 +96,7 @@ def lightseq_attention(
                          "lightseq_hf's sequence parallelism serves causal decoders only.")
     sinks, softcap = kwargs.pop("s_aux", None), kwargs.pop("softcap", None)
     segments, window = _layer_mask(module, context, kwargs.pop("sliding_window", None))
-    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED_KWARGS and v is not None)
+    unknown = sorted(k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None)
     if unknown:
         raise ValueError(f"{context.model_type}: {type(module).__name__} passes {', '.join(unknown)} to its "
                          "attention, which lightseq_hf's distributed attention does not implement.")

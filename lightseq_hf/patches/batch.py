@@ -15,8 +15,10 @@ from ..parallel.sharding import IGNORE_INDEX, SequenceShard, global_position_ids
 from .attention import SequenceParallelContext, chunked_documents
 from .state import PatchSettings, resolve_sp_group
 
+__all__ = ["SplitBatch", "check_same_batch", "split_batch"]
+
 #: the parts of a batch the fingerprint covers, in its order (each: presence, dtype, two checksums)
-FINGERPRINT_FIELDS = ("input_ids", "labels", "inputs_embeds", "position_ids", "attention_mask")
+_FINGERPRINT_FIELDS = ("input_ids", "labels", "inputs_embeds", "position_ids", "attention_mask")
 _DTYPES = (None, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float64,
            torch.float32, torch.float16, torch.bfloat16)
 _BIT_VIEWS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -46,7 +48,7 @@ def _segments_of(attention_mask, position_ids, kwargs: dict, batch: int, seq: in
                             position_ids=position_ids, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k)
 
 
-def check_padding_labels(attention_mask: torch.Tensor | None, shifted: torch.Tensor | None) -> None:
+def _check_padding_labels(attention_mask: torch.Tensor | None, shifted: torch.Tensor | None) -> None:
     """Padding is exact only if no padding position is a prediction target (its output is zero)."""
     if attention_mask is None or shifted is None or attention_mask.dim() != 2:
         return
@@ -59,7 +61,7 @@ def check_padding_labels(attention_mask: torch.Tensor | None, shifted: torch.Ten
         )
 
 
-def check_labels_in_documents(segments: Segments | None, shifted: torch.Tensor | None) -> None:
+def _check_labels_in_documents(segments: Segments | None, shifted: torch.Tensor | None) -> None:
     """Tokens in no document (after the last ``cu_seq_lens`` boundary) have no attention output, so they
     may not be prediction targets; costs nothing when every token is in a document."""
     if segments is None or shifted is None:
@@ -101,7 +103,7 @@ def _fingerprint(x: torch.Tensor | None, where: torch.device) -> torch.Tensor:
                         torch.full((), code, dtype=torch.int64, device=where), x.sum(), (x * weights).sum()])
 
 
-def weights_digest(model: torch.nn.Module | None) -> int:
+def _weights_digest(model: torch.nn.Module | None) -> int:
     """A 32-bit digest of the dtypes of the model's parameters, in order."""
     if model is None:
         return 0
@@ -123,7 +125,7 @@ def check_same_batch(group, batch: int, seq: int, input_ids, labels, device: tor
     parts = [torch.tensor([batch, seq, int(labels is not None), int(labels_ok)], device=where,
                           dtype=torch.int64)]
     parts += [_fingerprint(x, where) for x in tensors]
-    parts.append(torch.tensor([0 if segments is None else segments.checksum(), weights_digest(model)],
+    parts.append(torch.tensor([0 if segments is None else segments.checksum(), _weights_digest(model)],
                               device=where, dtype=torch.int64))
     parts.append(_id_range(input_ids, where))
     parts.append(_id_range(labels if labels_ok else None, where, ignore=IGNORE_INDEX))
@@ -216,7 +218,7 @@ def _check_vocabulary(id_range: tuple[int, ...], label_range: tuple[int, ...],
 
 def _raise_different(rows: list[tuple[int, ...]]) -> None:
     names = (["batch size", "length", "labels given", "labels shape"]
-             + [f"{name} {part}" for name in FINGERPRINT_FIELDS for part in ("presence", "dtype", "values",
+             + [f"{name} {part}" for name in _FINGERPRINT_FIELDS for part in ("presence", "dtype", "values",
                                                                              "values")]
              + ["documents (segments)", "weight dtypes", "token id range", "token id range", "label id range",
        "label id range"])
@@ -233,7 +235,7 @@ def _raise_different(rows: list[tuple[int, ...]]) -> None:
                      f"{', '.join(differ)}; {described}). {fix}")
 
 
-def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
+def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None) -> None:
     """Raise ValueError unless the inputs are (batch, seq) token ids or (batch, seq, hidden) embeddings
     of at least one token."""
     if input_ids is not None and (input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32)):
@@ -249,7 +251,7 @@ def check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | N
                          "forward needs at least one token per row.")
 
 
-def check_no_layerdrop(model: torch.nn.Module) -> None:
+def _check_no_layerdrop(model: torch.nn.Module) -> None:
     """LayerDrop skips decoder layers at random in training, a different draw on each rank: the ranks'
     collectives would no longer match (a hang). Refuse it by name on every rank instead."""
     if not model.training:
@@ -285,16 +287,16 @@ def split_batch(model: torch.nn.Module, settings: PatchSettings, input_ids: torc
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("You must specify exactly one of input_ids or inputs_embeds.")
     full = input_ids if input_ids is not None else inputs_embeds
-    check_inputs(input_ids, inputs_embeds)
-    check_no_layerdrop(model)
+    _check_inputs(input_ids, inputs_embeds)
+    _check_no_layerdrop(model)
     batch, seq = full.shape[:2]
     device = full.device
     group = resolve_sp_group(settings)
     rank, world = group_rank_and_size(group)
     shard = shard_for(seq, rank, world)
     segments = _segments_of(attention_mask, position_ids, kwargs, batch, seq)
-    check_padding_labels(attention_mask, shifted_labels)
-    check_labels_in_documents(segments, shifted_labels)
+    _check_padding_labels(attention_mask, shifted_labels)
+    _check_labels_in_documents(segments, shifted_labels)
     if world > 1:
         check_same_batch(group, batch, seq, input_ids, shifted_labels, device, segments,
                          inputs_embeds=inputs_embeds, position_ids=position_ids,

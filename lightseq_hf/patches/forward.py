@@ -12,11 +12,11 @@
   (``logits = self.lm_head(...)``) takes the fused chunked loss (no full-vocabulary logits of the
   slice); a head with extras (soft-capping, logit scaling) computes the slice's logits itself and
   the loss is taken from them. The model's own code adds what it adds (the router aux loss).
-* With the fused loss, the decoder stack's final norm (:func:`final_norm`: its forward's last
+* With the fused loss, the decoder stack's final norm (:func:`_final_norm`: its forward's last
   assignment of the hidden states is ``hidden_states = self.<norm>(hidden_states)``) passes its input
   through inside the stack and runs in the loss instead, one chunk at a time, so no normalized copy
   of the whole slice exists; where the norm is not recognized, or the hidden states are asked for,
-  it runs in the stack as usual. The norm gets its :class:`FinalNormForward` when the model is
+  it runs in the stack as usual. The norm gets its :class:`_FinalNormForward` when the model is
   adopted, so no forward sets a module's ``forward`` (``torch.compile`` traces these forwards).
 * Forward hooks a user put on the head, the decoder stack or its final norm (:mod:`.user_hooks`) see the
   whole sequence: the causal LM then runs the unfused path, the decoder stack gathers the rows before its
@@ -48,24 +48,29 @@ from ..parallel.sharding import (
     shift_labels,
     take_shard,
 )
-from .architectures import MEDIA_WORDS, Architecture, _forward_tree, decoder_stack
+from .architectures import MEDIA_WORDS, Architecture, decoder_stack, forward_tree
 from .attention import ACTIVE_MODEL
 from .batch import SplitBatch, split_batch
 from .rope import whole_sequence_frequencies
-from .state import ATTN_IMPLEMENTATION, PatchSettings, running_unpatched, settings_of
+from .state import PatchSettings, running_unpatched, settings_of
 from .user_hooks import has_user_hooks, hooked_outputs, hooks_held_aside, module_names, whole_row_embeddings
 
+__all__ = [
+    "LOSS_CHUNK_TOKENS", "cache_keyword", "install_final_norm", "make_causal_lm_forward",
+    "make_decoder_forward", "remove_final_norm", "warn_once",
+]
+
 #: ``lightseq_logits`` values: logits of the whole sequence on every rank, or of this rank's slice
-LOGITS_LAYOUTS = ("full", "shard")
+_LOGITS_LAYOUTS = ("full", "shard")
 #: tokens per chunk of the chunked loss (full-vocabulary float32 logits of one chunk at a time)
 LOSS_CHUNK_TOKENS = 2048
 
-logger = logging.getLogger("lightseq_hf")
+_logger = logging.getLogger("lightseq_hf")
 _MISSING = object()
 
 
 @dataclass
-class PendingSplit:
+class _PendingSplit:
     """Handed from the causal LM's forward to its decoder stack for one call."""
 
     split: SplitBatch
@@ -76,12 +81,12 @@ class PendingSplit:
     norm_calls: list = field(default_factory=list)  # the final norm's calls that passed their input through
 
 
-CACHE_NAMES = ("cache", "past_key_values")  # Transformers 5.24 renamed past_key_values to cache
+_CACHE_NAMES = ("cache", "past_key_values")  # Transformers 5.24 renamed past_key_values to cache
 
 
-def take_cache(cache: Any, kwargs: dict[str, Any]) -> Any:
+def _take_cache(cache: Any, kwargs: dict[str, Any]) -> Any:
     """The KV cache of a call, under either of its names (removed from ``kwargs``)."""
-    for name in CACHE_NAMES:
+    for name in _CACHE_NAMES:
         given = kwargs.pop(name, None)
         if given is not None and cache is not None and given is not cache:
             raise ValueError("Pass the KV cache once: as cache (Transformers >= 5.24) or past_key_values.")
@@ -92,14 +97,14 @@ def take_cache(cache: Any, kwargs: dict[str, Any]) -> Any:
 def cache_keyword(original) -> str:
     """The name under which ``original`` (a model's forward) takes the KV cache."""
     parameters = inspect.signature(original).parameters
-    return next((name for name in CACHE_NAMES if name in parameters), "past_key_values")
+    return next((name for name in _CACHE_NAMES if name in parameters), "past_key_values")
 
 
-def wants_cache(use_cache: Any, cache: Any) -> bool:
+def _wants_cache(use_cache: Any, cache: Any) -> bool:
     return cache is not None or use_cache is True
 
 
-def with_fallback_attention(model: torch.nn.Module, call):
+def _with_fallback_attention(model: torch.nn.Module, call):
     """Run ``call()`` with the model's own attention implementation (the one before the patch)."""
     warn_once("cache", "lightseq_hf: a call with a KV cache (use_cache=True, cache or past_key_values: "
               "generation, prefill) runs the unpatched model on every rank, unsharded.")
@@ -119,10 +124,10 @@ _warned: set[str] = set()
 def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        logger.warning(message)
+        _logger.warning(message)
 
 
-def check_outputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+def _check_outputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
     given = [name for name, value in kwargs.items()
              if value is not None and any(word in name for word in MEDIA_WORDS)]
     if given:
@@ -138,7 +143,7 @@ def check_outputs(model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         )
 
 
-def gather_router_logits(router_logits: tuple, split: SplitBatch) -> tuple:
+def _gather_router_logits(router_logits: tuple, split: SplitBatch) -> tuple:
     """Each layer's router logits of this slice (``(batch * local, experts)`` or ``(batch, local,
     experts)``) -> those of the whole sequence, in the same layout (padding dropped)."""
     rows = split.input_ids if split.input_ids is not None else split.inputs_embeds
@@ -164,20 +169,20 @@ def make_decoder_forward(original, architecture_of):
     @functools.wraps(original)
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, **kwargs):
-        cache = take_cache(cache, kwargs)
-        pending: PendingSplit | None = self.__dict__.pop("_lightseq_pending", None)
+        cache = _take_cache(cache, kwargs)
+        pending: _PendingSplit | None = self.__dict__.pop("_lightseq_pending", None)
         own = "lightseq_sp" in kwargs or running_unpatched()
-        if own or (pending is None and wants_cache(use_cache, cache)):
+        if own or (pending is None and _wants_cache(use_cache, cache)):
             kwargs[cache_name] = cache
             call = lambda: original(self, input_ids=input_ids, attention_mask=attention_mask,  # noqa: E731
                                     position_ids=position_ids, inputs_embeds=inputs_embeds,
                                     use_cache=use_cache, **kwargs)
-            return call() if own else with_fallback_attention(self, call)
+            return call() if own else _with_fallback_attention(self, call)
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
-        check_outputs(self, kwargs)
+        _check_outputs(self, kwargs)
         arch = architecture_of(self)
         if pending is None:  # called on its own (or its inputs may have been changed by a user pre-hook)
-            pending = PendingSplit(split_batch(
+            pending = _PendingSplit(split_batch(
                 self, settings_of(self), input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
                 layer_kinds=arch.layer_kinds, positions_from_mask=arch.positions_from_mask), gather=True)
         split = pending.split
@@ -185,7 +190,7 @@ def make_decoder_forward(original, architecture_of):
         moved = pending.final_norm is not None or norm_after is not None
         token = ACTIVE_MODEL.set(arch.model_type)
         if moved:
-            self.__dict__["_lightseq_norm_in_loss"] = pending  # FinalNormForward passes its input through
+            self.__dict__["_lightseq_norm_in_loss"] = pending  # _FinalNormForward passes its input through
         try:
             with (whole_sequence_frequencies(self, split.last_position), hooks_held_aside(norm_after),
                   whole_row_embeddings(self, input_ids, split.shard)):
@@ -200,7 +205,7 @@ def make_decoder_forward(original, architecture_of):
                                f"{len(pending.norm_calls)} times, not once at its end; lightseq_hf cannot "
                                "run it outside the stack. Report the model type.")
         if getattr(outputs, "router_logits", None) is not None:
-            outputs.router_logits = gather_router_logits(outputs.router_logits, split)
+            outputs.router_logits = _gather_router_logits(outputs.router_logits, split)
         if pending.gather:
             _gather_outputs(outputs, split, norm_after)
         else:
@@ -211,7 +216,7 @@ def make_decoder_forward(original, architecture_of):
     return forward
 
 
-def _hooked_final_norm(decoder: torch.nn.Module, pending: PendingSplit) -> torch.nn.Module | None:
+def _hooked_final_norm(decoder: torch.nn.Module, pending: _PendingSplit) -> torch.nn.Module | None:
     """The decoder stack's final norm when it carries user hooks and the stack gathers its output: it
     then runs on the whole sequence, after the gather, as in the unpatched model (else None)."""
     norm = decoder.__dict__.get("_lightseq_final_norm")
@@ -236,16 +241,16 @@ def make_causal_lm_forward(original, architecture_of):
     @functools.wraps(original)
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, **kwargs):
-        cache = take_cache(cache, kwargs)
+        cache = _take_cache(cache, kwargs)
         layout = kwargs.pop("lightseq_logits", "full")
-        if running_unpatched() or wants_cache(use_cache, cache):  # the original model, unsharded
+        if running_unpatched() or _wants_cache(use_cache, cache):  # the original model, unsharded
             call = lambda: original(  # noqa: E731
                 self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **{cache_name: cache},
                 **kwargs)
-            return call() if running_unpatched() else with_fallback_attention(self, call)
+            return call() if running_unpatched() else _with_fallback_attention(self, call)
         return_dict = kwargs.pop("return_dict", getattr(self.config, "return_dict", True))
-        out = causal_lm_forward(self, original, architecture_of(self), settings_of(self), layout,
+        out = _causal_lm_forward(self, original, architecture_of(self), settings_of(self), layout,
                                 dict(input_ids=input_ids, attention_mask=attention_mask,
                                      position_ids=position_ids, inputs_embeds=inputs_embeds),
                                 labels, kwargs)
@@ -255,10 +260,10 @@ def make_causal_lm_forward(original, architecture_of):
     return forward
 
 
-def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettings, layout: str,
+def _causal_lm_forward(model, original, arch: Architecture, settings: PatchSettings, layout: str,
                       inputs: dict[str, Any], labels, kwargs: dict[str, Any]):
     """The model's own forward on this rank's slice, with the group's loss (see the module docstring)."""
-    if layout not in LOGITS_LAYOUTS:
+    if layout not in _LOGITS_LAYOUTS:
         raise ValueError(f"lightseq_logits={layout!r}: choose 'full' (the whole sequence on every rank, "
                          "the default) or 'shard' (this rank's slice of the sequence).")
     keep = kwargs.get("logits_to_keep", 0)
@@ -269,7 +274,7 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     if shifted is None and labels is not None:
         shifted = shift_labels(labels)
     num_items = kwargs.pop("num_items_in_batch", None)
-    check_outputs(model, kwargs)
+    _check_outputs(model, kwargs)
     full = inputs["input_ids"] if inputs["input_ids"] is not None else inputs["inputs_embeds"]
     if shifted is not None and (shifted.is_floating_point() or shifted.dtype == torch.bool):
         raise ValueError(f"labels must be integer token ids (int64, -100 where no loss is taken); got dtype "
@@ -290,7 +295,7 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     norm = decoder.__dict__.get("_lightseq_final_norm") if mode == "fused" and not wants_states else None
     if norm is not None and (norm._forward_hooks or norm._forward_pre_hooks):
         norm = None  # a unit of its own (FSDP): its parameters are the hooks' to gather, in its own call
-    pending = PendingSplit(split, gather=mode == "full", final_norm=norm)
+    pending = _PendingSplit(split, gather=mode == "full", final_norm=norm)
     if mode == "full":  # the model's own head and loss on the whole sequence, as unpatched
         given_labels = labels
         kwargs.update({k: v for k, v in (("shift_labels", kwargs_shift), ("num_items_in_batch", num_items))
@@ -324,7 +329,7 @@ def causal_lm_forward(model, original, arch: Architecture, settings: PatchSettin
     return out
 
 
-def _logits(model, mode: str, layout: str, keep, pending: PendingSplit, logits: torch.Tensor | None):
+def _logits(model, mode: str, layout: str, keep, pending: _PendingSplit, logits: torch.Tensor | None):
     """The logits to return: of the whole sequence (``layout="full"``, ``keep`` applied) or of this
     rank's slice, whichever way the forward ran."""
     split = pending.split
@@ -355,7 +360,7 @@ def _keep_logits(hidden: torch.Tensor, keep: int | torch.Tensor) -> torch.Tensor
     return hidden[:, keep]
 
 
-def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
+def _group_loss(model, mode: str, pending: _PendingSplit, shifted, num_items):
     """The ``loss_function`` for the model's forward (the group's mean token loss; None: keep the model's)
     and the context to run the forward in: with the fused loss, the model's own head call returns this
     slice's summed cross-entropy (one call of the head, through its FSDP or DDP hooks)."""
@@ -381,18 +386,18 @@ def _group_loss(model, mode: str, pending: PendingSplit, shifted, num_items):
                                      pending.final_norm, scale)
 
 
-def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
+def _final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
     """The decoder stack's final norm, when its forward's last assignment of ``hidden_states`` is
     ``hidden_states = self.<name>(hidden_states)`` at the top level of the function, and that module is
     a norm (its class name says so, its parameters are vectors) without a forward of its own (other than
-    :class:`FinalNormForward`); else None. Its hooks decide at each call where it runs: with a user's it runs
+    :class:`_FinalNormForward`); else None. Its hooks decide at each call where it runs: with a user's it runs
     after the gather, with a framework's in the stack, without any in the fused loss."""
     name = _final_norm_name(type(decoder))
     module = getattr(decoder, name, None) if name else None
     if not isinstance(module, torch.nn.Module) or "norm" not in type(module).__name__.lower():
         return None
     own = module.__dict__.get("forward")
-    if ((own is not None and not isinstance(own, FinalNormForward))
+    if ((own is not None and not isinstance(own, _FinalNormForward))
             or any(p.dim() > 1 for p in module.parameters())):
         return None
     return module
@@ -400,7 +405,7 @@ def final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
 
 @functools.cache
 def _final_norm_name(decoder_cls: type) -> str | None:
-    tree = _forward_tree(decoder_cls)
+    tree = forward_tree(decoder_cls)
     if tree is None:
         return None
     kinds = (ast.Assign, ast.AugAssign, ast.AnnAssign)
@@ -421,7 +426,7 @@ def _final_norm_name(decoder_cls: type) -> str | None:
     return None
 
 
-class FinalNormForward:
+class _FinalNormForward:
     """The decoder stack's final norm's ``forward`` (an instance attribute): the norm's own, except
     inside a patched forward that runs it in the fused loss or after the gather, where it returns its
     input (and records the call in the split's ``norm_calls``)."""
@@ -439,11 +444,11 @@ class FinalNormForward:
 
 
 def install_final_norm(decoder: torch.nn.Module) -> torch.nn.Module | None:
-    """Give the decoder stack's final norm its :class:`FinalNormForward`, and the stack a reference to
+    """Give the decoder stack's final norm its :class:`_FinalNormForward`, and the stack a reference to
     it (None when the norm is not recognized)."""
-    norm = final_norm(decoder)
+    norm = _final_norm(decoder)
     if norm is not None:
-        norm.forward = FinalNormForward(norm, decoder)
+        norm.forward = _FinalNormForward(norm, decoder)
     decoder.__dict__["_lightseq_final_norm"] = norm
     return norm
 
@@ -452,7 +457,7 @@ def remove_final_norm(model: torch.nn.Module) -> None:
     """Give every final norm of ``model`` its own forward back."""
     for module in model.modules():
         module.__dict__.pop("_lightseq_final_norm", None)
-        if isinstance(module.__dict__.get("forward"), FinalNormForward):
+        if isinstance(module.__dict__.get("forward"), _FinalNormForward):
             del module.forward
 
 
@@ -465,7 +470,3 @@ def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
             flat[i:i + LOSS_CHUNK_TOKENS].to(total.dtype), targets[i:i + LOSS_CHUNK_TOKENS],
             ignore_index=IGNORE_INDEX, reduction="sum")
     return total
-
-
-def is_patched_attention(model: torch.nn.Module) -> bool:
-    return model.config._attn_implementation == ATTN_IMPLEMENTATION

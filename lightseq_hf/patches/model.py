@@ -28,8 +28,8 @@ import torch.distributed as dist
 from .._values import check_group
 from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
+from ..offload import OffloadPlan, offload_plan
 from ..parallel.groups import check_launched
-from ..planner import OffloadPlan, offload_plan
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
@@ -43,9 +43,11 @@ from .forward import (
 from .state import ATTN_IMPLEMENTATION, PatchSettings
 from .tiled_mlp import apply_tiled_mlp, check_tiled_mlp, remove_tiled_mlp
 
-SUPPORTED_TRANSFORMERS = "5.x (tested with 5.17, 5.23 and 5.24)"
+__all__ = ["patch", "patch_llama", "patch_model", "unpatch", "unpatch_llama"]
 
-logger = logging.getLogger("lightseq_hf")
+_SUPPORTED_TRANSFORMERS = "5.x (tested with 5.17, 5.23 and 5.24)"
+
+_logger = logging.getLogger("lightseq_hf")
 _saved: dict[tuple[type, str], Any] = {}
 _adopted: weakref.WeakSet = weakref.WeakSet()
 _MISSING = object()
@@ -74,7 +76,7 @@ def patch(
     local attention backend of ``dist_flash_attn``.
     ``offload_checkpoints``: keep what checkpointed layers save in pinned host memory (also turned on
     by Transformers' ``activation_checkpointing_enable(offload=True)``); ``N``: only the first N
-    layers'; ``{"layers": N, "recompute": R}`` (an :class:`~lightseq_hf.checkpoint.OffloadPlan`): also
+    layers'; ``{"layers": N, "recompute": R}`` (an :class:`~lightseq_hf.offload.OffloadPlan`): also
     the first R layers keep only their input (plain recompute), as ``offload_checkpoints: auto``
     chooses. ``tiled_mlp``: run the dense MLPs and the layers' norms this many tokens at a time
     (:mod:`lightseq_hf.patches.tiled_mlp`; None: untiled).
@@ -147,15 +149,6 @@ patch_llama = patch
 unpatch_llama = unpatch
 
 
-def architecture_of(model: torch.nn.Module) -> Architecture:
-    """The described architecture of a patched causal LM or of its decoder stack (cached on the model)."""
-    arch = model.__dict__.get("_lightseq_arch")
-    if arch is None:
-        raise RuntimeError(f"{type(model).__name__} was not adopted by lightseq_hf.patch(); call "
-                           "lightseq_hf.patch(model).")
-    return arch
-
-
 # ----------------------------------------------------------------------------- patching
 
 
@@ -171,7 +164,7 @@ def _check_transformers() -> None:
 
     if major != 5 or not hasattr(modeling_utils, "AttentionInterface"):
         raise RuntimeError(
-            f"lightseq_hf.patch supports transformers {SUPPORTED_TRANSFORMERS}; found {version}. "
+            f"lightseq_hf.patch supports transformers {_SUPPORTED_TRANSFORMERS}; found {version}. "
             "Install a supported version: pip install 'transformers>=5,<6'."
         )
 
@@ -238,7 +231,7 @@ def _patch_classes(arch: Architecture) -> None:
     if getattr(forward, "_lightseq_patched", False):
         return
     if not getattr(forward, "__module__", "").startswith("transformers."):  # e.g. Liger's fused cross-entropy
-        logger.warning(
+        _logger.warning(
             "lightseq_hf: %s.forward was replaced by %s.%s; it is left in place. The sequence split "
             "happens in %s, which gathers the final hidden states along the sequence, so its loss head "
             "sees the whole sequence on every rank.", lm_cls.__name__, forward.__module__,
@@ -263,12 +256,12 @@ def _adopt(model: torch.nn.Module, settings: PatchSettings, arch: Architecture) 
         for member in _members(model):
             member._lightseq_fallback_attn = current
         model.config._attn_implementation = ATTN_IMPLEMENTATION
-        logger.warning(
+        _logger.warning(
             "lightseq_hf: %s (%s) attention implementation %r -> %r (exact distributed attention over the "
             "sequence-parallel group; calls with a KV cache still use %r; lightseq_hf.unpatch() "
             "restores it).", type(model).__name__, arch.model_type, current, ATTN_IMPLEMENTATION, current)
     if not arch.fused_head and is_causal_lm(model):
-        logger.warning("lightseq_hf: %s: the head changes the logits (%s); the model's own head and loss "
+        _logger.warning("lightseq_hf: %s: the head changes the logits (%s); the model's own head and loss "
                        "code run on each rank's slice of the sequence, not the fused chunked loss.",
                        arch.model_type, arch.head_extras)
     route_checkpointing(model, settings.checkpointing, settings.offload_checkpoints)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+__all__ = ["length_dependent_embeddings", "whole_sequence_frequencies"]
+
 #: rope types whose frequencies ``dynamic_rope_update`` recomputes from each call's positions
 _LENGTH_DEPENDENT = ("dynamic", "longrope")
 

@@ -13,6 +13,11 @@ import torch.distributed as dist
 
 from ..parallel.groups import check_launched, current_groups
 
+__all__ = [
+    "ATTN_IMPLEMENTATION", "PatchSettings", "as_unpatched", "current_settings", "resolve_sp_group",
+    "running_unpatched", "set_settings", "settings_of",
+]
+
 ATTN_IMPLEMENTATION = "lightseq_dist"
 
 

@@ -3,7 +3,7 @@
 An MLP of ``tokens x hidden`` input makes ``tokens x intermediate`` activations (gate, up, the
 activation and the product: about 4x the hidden state at Llama's 2.7x expansion), in the forward
 and again in the backward's recompute; a norm keeps a float32 copy of its input and its normalized
-output (three hidden states' worth in bf16). :class:`TiledFunction` runs such a module on ``tile``
+output (three hidden states' worth in bf16). :class:`_TiledFunction` runs such a module on ``tile``
 tokens at a time (each tile a batch of one sequence): the forward without autograd, keeping only the
 input, the backward recomputing each tile's forward and differentiating it at once, so at most one
 tile's activations are alive (the first norm of a layer then keeps nothing: its input is the layer
@@ -28,7 +28,11 @@ import torch
 
 from .._values import is_positive_int
 
-logger = logging.getLogger("lightseq_hf")
+__all__ = [
+    "TiledForward", "apply_tiled_mlp", "check_tiled_mlp", "layer_mlps", "layer_norms", "remove_tiled_mlp",
+]
+
+_logger = logging.getLogger("lightseq_hf")
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
@@ -37,7 +41,7 @@ def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
     return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
 
-class TiledFunction(torch.autograd.Function):
+class _TiledFunction(torch.autograd.Function):
     """``module(x)`` a ``tile`` of rows (of ``x`` flattened to its last dimension) at a time; ``params``
     are the module's trainable parameters (passed so that autograd hands their gradients to the
     optimizer, DDP and FSDP as usual)."""
@@ -105,8 +109,8 @@ class TiledForward:
         params = [p for p in module.parameters() if p.requires_grad]
         if not torch.is_grad_enabled() or not (x.requires_grad or params):
             with torch.no_grad():
-                return TiledFunction.forward(_NoCtx(), x, module, rows)
-        return TiledFunction.apply(x, module, rows, *params)
+                return _TiledFunction.forward(_NoCtx(), x, module, rows)
+        return _TiledFunction.apply(x, module, rows, *params)
 
 
 class _NoCtx:
@@ -211,7 +215,7 @@ def apply_tiled_mlp(model: torch.nn.Module, tile_tokens: int | None) -> int:
         if "forward" not in module.__dict__ or isinstance(module.__dict__["forward"], TiledForward):
             module.forward = TiledForward(module, tile_tokens)
     if other:
-        logger.warning("lightseq_hf: tiled_mlp=%d leaves %d feed-forward module(s) untiled (not dense MLPs: "
+        _logger.warning("lightseq_hf: tiled_mlp=%d leaves %d feed-forward module(s) untiled (not dense MLPs: "
                        "mixture-of-experts blocks or others), e.g. %s.", tile_tokens, len(other), other[0])
     return len(dense)
 

@@ -8,7 +8,7 @@ Every rank still draws the same seeded permutation, so an epoch visits every sam
 
 Evaluation gathers predictions for ``compute_metrics`` over all processes; the ranks of a group
 hold the same samples (and, from the patched model, the logits of the whole sequence), so the
-patch keeps one copy per group (:func:`gather_for_metrics_per_group`).
+patch keeps one copy per group (:func:`_gather_for_metrics_per_group`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import functools
 import torch.distributed as dist
 
 from ..parallel.groups import current_groups
+
+__all__ = ["data_parallel_coordinates", "patch_trainer", "shard_by_data_parallel_rank", "unpatch_trainer"]
 
 _saved: dict[str, object] = {}
 
@@ -68,7 +70,7 @@ def shard_by_data_parallel_rank(dataloader):
     return dataloader
 
 
-def gather_for_metrics_per_group(accelerator, data, *, sp_size: int, dp_size: int):
+def _gather_for_metrics_per_group(accelerator, data, *, sp_size: int, dp_size: int):
     """``accelerator.gather_for_metrics`` when the ``sp_size`` ranks of each group hold the same samples.
 
     Gathers over all ranks (consecutive groups, as :func:`data_parallel_coordinates` requires),
@@ -104,7 +106,7 @@ def patch_trainer() -> None:
     def evaluation_loop(self, *args, **kwargs):
         sp_size, dp_size, _ = data_parallel_coordinates()
         if sp_size > 1:  # the loop resets gather_function to gather_for_metrics when it ends
-            self.gather_function = functools.partial(gather_for_metrics_per_group, self.accelerator,
+            self.gather_function = functools.partial(_gather_for_metrics_per_group, self.accelerator,
                                                      sp_size=sp_size, dp_size=dp_size)
         return original_loop(self, *args, **kwargs)
 

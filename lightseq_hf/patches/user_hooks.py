@@ -28,11 +28,10 @@ import torch
 
 from ..parallel.sharding import SequenceShard, take_shard
 
-__all__ = ["FRAMEWORK_HOOK_PACKAGES", "has_user_hooks", "hooked_outputs", "hooks_held_aside", "module_names",
-           "whole_row_embeddings"]
+__all__ = ["has_user_hooks", "hooked_outputs", "hooks_held_aside", "module_names", "whole_row_embeddings"]
 
 #: packages whose hooks manage parameters (unshard, fetch, release) and leave the values alone
-FRAMEWORK_HOOK_PACKAGES = ("torch.distributed.", "deepspeed.", "accelerate.")
+_FRAMEWORK_HOOK_PACKAGES = ("torch.distributed.", "deepspeed.", "accelerate.")
 _MISSING = object()
 
 
@@ -44,8 +43,8 @@ def _defined_in(hook: Any) -> str:
 
 def has_user_hooks(module: torch.nn.Module) -> bool:
     """Whether ``module`` or a module inside it has a forward hook or pre-hook that is not a
-    parallelism framework's (:data:`FRAMEWORK_HOOK_PACKAGES`)."""
-    return any(not _defined_in(hook).startswith(FRAMEWORK_HOOK_PACKAGES)
+    parallelism framework's (:data:`_FRAMEWORK_HOOK_PACKAGES`)."""
+    return any(not _defined_in(hook).startswith(_FRAMEWORK_HOOK_PACKAGES)
                for inner in module.modules()
                for hook in (*inner._forward_pre_hooks.values(), *inner._forward_hooks.values()))
 
@@ -56,7 +55,7 @@ def hooked_outputs(model: torch.nn.Module, decoder: torch.nn.Module) -> list[tor
     head = model.get_output_embeddings()
     norm = decoder.__dict__.get("_lightseq_final_norm")
     found = [m for m in (head, norm) if m is not None and has_user_hooks(m)]
-    if any(not _defined_in(h).startswith(FRAMEWORK_HOOK_PACKAGES)
+    if any(not _defined_in(h).startswith(_FRAMEWORK_HOOK_PACKAGES)
            for h in (*decoder._forward_pre_hooks.values(), *decoder._forward_hooks.values())):
         found.append(decoder)
     return found
