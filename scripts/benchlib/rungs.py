@@ -107,7 +107,7 @@ def run_launch(command: list[str], row_out: Path, log: Path, limit: float, devic
 
 
 def detach(command: list[str], log: Path) -> int:
-    """Start ``command`` in its own session (it outlives the caller), its output in ``log``; its pid."""
+    """Start ``command`` detached (it outlives the caller), its output in ``log``; its pid."""
     with open(log, "w") as out:
         proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
