@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 import zlib
@@ -23,6 +24,67 @@ __all__ = ["dist_flash_attn"]
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
+@dataclasses.dataclass(frozen=True)
+class _CallSignature:
+    """What every rank of a group must pass alike to one distributed attention call, encoded as integers
+    so that one all-gather compares them."""
+
+    batch: int
+    seq: int
+    heads: int
+    dim: int
+    kv_seq: int
+    kv_heads: int
+    value_dim: int
+    dtype: int
+    causal: int
+    scale_bits: int
+    schedule: int
+    backend: int
+    chosen: int
+    grad_q: int
+    grad_k: int
+    grad_v: int
+    mask_digest: int
+
+    #: the argument a user changes to mend each field, in the order the message names them
+    _ARGUMENTS = {"batch": "shapes", "seq": "shapes", "heads": "shapes", "dim": "shapes", "kv_seq": "shapes",
+                  "kv_heads": "shapes", "value_dim": "shapes", "dtype": "dtypes", "causal": "causal flags",
+                  "scale_bits": "softmax scales", "schedule": "schedules", "backend": "backends",
+                  "chosen": "backends", "grad_q": "requires_grad", "grad_k": "requires_grad",
+                  "grad_v": "requires_grad", "mask_digest": "segments, windows or softcaps"}
+
+    @classmethod
+    def of_call(cls, q, k, v, causal, scale, schedule, backend, chosen, mask_digest) -> _CallSignature:
+        grads = [int(t is not None and t.requires_grad and torch.is_grad_enabled()) for t in (q, k, v)]
+        bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
+        return cls(*q.shape, k.shape[1], k.shape[2], v.shape[3] if v is not None else q.shape[3],
+                   _DTYPE_CODES.get(q.dtype, 9), int(causal), bits, SCHEDULES.index(schedule),
+                   _name_code(backend), _name_code(chosen or backend), *grads, mask_digest)
+
+    def encode(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(dataclasses.astuple(self), dtype=torch.int64, device=device)
+
+    @classmethod
+    def decode(cls, encoded: torch.Tensor) -> _CallSignature:
+        return cls(*encoded.tolist())
+
+    def differ(self, other: _CallSignature) -> set[str]:
+        """The arguments (as the message names them) in which ``other`` differs from this call."""
+        return {self._ARGUMENTS[f.name] for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(other, f.name)}
+
+    def describe(self, names: dict[int, str]) -> str:
+        scale = struct.unpack("<d", struct.pack("<q", self.scale_bits))[0]
+        need = "".join(n for n, g in zip("qkv", (self.grad_q, self.grad_k, self.grad_v)) if g) or "none"
+        return (f"q (batch {self.batch}, seq {self.seq}, heads {self.heads}, dim {self.dim}), "
+                f"kv seq {self.kv_seq}, kv heads {self.kv_heads}, value dim {self.value_dim}, "
+                f"dtype code {self.dtype}, causal {bool(self.causal)}, scale {scale:.6g}, "
+                f"schedule {SCHEDULES[self.schedule]}, backend {names.get(self.backend, '?')} "
+                f"(chose {names.get(self.chosen, '?')}), grads {need}, "
+                f"segments/window/softcap digest {self.mask_digest}")
+
+
 def _check_same_shapes(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,8 +98,7 @@ def _check_same_shapes(
     mask_digest: int = 0,
     chosen: str = "",
 ) -> None:
-    """All-gather each rank's call (shapes, dtype, causal, scale, schedule, the backend asked for and the
-    one chosen, which of q/k/v need gradients, the masks) and raise the same ValueError on every rank if
+    """All-gather each rank's call (:class:`_CallSignature`) and raise the same ValueError on every rank if
     they differ.
 
     Runs before any point-to-point transfer, so a mismatch fails fast instead of hanging (or, for
@@ -47,37 +108,17 @@ def _check_same_shapes(
     if world == 1:
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    grads = [t is not None and t.requires_grad and torch.is_grad_enabled() for t in (q, k, v)]
-    scale_bits = struct.unpack("<q", struct.pack("<d", float(scale)))[0] if scale is not None else 0
-    value_dim = v.shape[3] if v is not None else q.shape[3]
-    mine = torch.tensor(
-        [*q.shape, k.shape[1], k.shape[2], _DTYPE_CODES.get(q.dtype, 9), int(causal), scale_bits,
-         SCHEDULES.index(schedule), _name_code(backend), *map(int, grads), mask_digest, value_dim,
-         _name_code(chosen or backend)],
-        dtype=torch.int64, device=device,
-    )
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    rows = [tuple(t.tolist()) for t in gathered]
-    if len(set(rows)) == 1:
+    mine = _CallSignature.of_call(q, k, v, causal, scale, schedule, backend, chosen, mask_digest)
+    encoded = mine.encode(device)
+    gathered = [torch.empty_like(encoded) for _ in range(world)]
+    dist.all_gather(gathered, encoded, group=group)
+    calls = [_CallSignature.decode(t) for t in gathered]
+    if all(call == mine for call in calls):
         return
-
     names = {_name_code(n): n for n in (*backend_names(), chosen, backend)}
-
-    def describe(x: tuple) -> str:
-        s = struct.unpack("<d", struct.pack("<q", x[8]))[0]
-        need = "".join(n for n, g in zip("qkv", x[11:14]) if g) or "none"
-        return (f"q (batch {x[0]}, seq {x[1]}, heads {x[2]}, dim {x[3]}), kv seq {x[4]}, kv heads {x[5]}, "
-                f"value dim {x[15]}, dtype code {x[6]}, causal {bool(x[7])}, scale {s:.6g}, schedule "
-                f"{SCHEDULES[x[9]]}, backend {names.get(x[10], '?')} (chose {names.get(x[16], '?')}), "
-                f"grads {need}, segments/window/softcap digest {x[14]}")
-
-    fields = ("shapes", "shapes", "shapes", "shapes", "shapes", "shapes", "dtypes", "causal flags",
-              "softmax scales", "schedules", "backends", "requires_grad", "requires_grad", "requires_grad",
-              "segments, windows or softcaps", "shapes", "backends")
-    differ = sorted({fields[i] for i in range(len(fields)) if len({r[i] for r in rows}) > 1},
-                    key=fields.index)
-    described = "; ".join(f"rank {r}: {describe(x)}" for r, x in enumerate(rows))
+    found = set().union(*(mine.differ(call) for call in calls))
+    differ = [name for name in dict.fromkeys(_CallSignature._ARGUMENTS.values()) if name in found]
+    described = "; ".join(f"rank {r}: {call.describe(names)}" for r, call in enumerate(calls))
     same_masks = " Pass every rank the same segments (of the full rows), window and softcap."
     hint = (" Every rank must hold an equal-length shard: pad the sequence to a multiple of the group size "
             "(lightseq_hf.pad_to_multiple) before sharding." if "shapes" in differ else
