@@ -19,6 +19,7 @@ from distributed import rel_err
 from doc_reference import random_docs
 
 from lightseq_hf.kernels import (
+    DeviceClass,
     KernelRequest,
     MaskKind,
     ReferenceKernel,
@@ -319,15 +320,14 @@ def test_refusals_name_the_problem_in_one_line(monkeypatch):
         with pytest.raises(ValueError, match=rf"^backend 'cudnn_fe' .*{words}"):
             select_backend("cudnn_fe", request)
     assert select_backend("cudnn_fe", docs) == "cudnn_fe"
-    for gpu, chosen in (("NVIDIA H100 80GB HBM3", "cudnn_fe"), ("NVIDIA H200", "triton")):
-        with mock.patch("lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value=gpu):
-            for kind in MaskKind:  # auto takes it for packed documents where it was measured fastest only
-                want = chosen if kind == MaskKind.DOCUMENTS else "not cudnn_fe"
-                got = select_backend("auto", KernelRequest(cuda, torch.bfloat16, 128, 128, kind))
-                assert got == want or (want == "not cudnn_fe" and got != "cudnn_fe"), (gpu, kind, got)
-    with mock.patch("lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value="NVIDIA H100"):
-        monkeypatch.setattr(cudnn_fe, "unavailable_reason", lambda: "needs the package")  # not installed
-        assert select_backend("auto", docs) != "cudnn_fe"
+    hopper = DeviceClass("cuda", (9, 0), 91900, frozenset({"nvidia-cudnn-frontend"}))
+    for kind in MaskKind:  # auto takes it for packed documents only
+        got = select_backend("auto", KernelRequest(cuda, torch.bfloat16, 128, 128, kind), device_class=hopper)
+        assert (got == "cudnn_fe") == (kind == MaskKind.DOCUMENTS), (kind, got)
+    without = DeviceClass("cuda", (9, 0), 91900)
+    assert select_backend("auto", docs, device_class=without) != "cudnn_fe"
+    monkeypatch.setattr(cudnn_fe, "unavailable_reason", lambda: "needs the package")  # installed, cannot load
+    assert select_backend("auto", docs, device_class=hopper) != "cudnn_fe"
 
 
 def test_cudnn_versions_with_zero_gradients_are_refused(monkeypatch):

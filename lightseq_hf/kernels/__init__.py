@@ -4,7 +4,7 @@
 ``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``flash_varlen`` (torch's
 FlashAttention-2 varlen kernels: packed documents as one call per task), ``cudnn_fe`` (cuDNN's
 variable-length attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task),
-``auto``.
+``auto`` (chosen by what the device is: :func:`describe` says which backend a call gets and why).
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ import torch
 from .autoselect import (
     REGISTRY,
     Row,
+    Selection,
     backend_names,
+    describe,
     kernel_named,
     register_backend,
     select_backend,
@@ -32,6 +34,7 @@ from .base import (
     attention_delta,
     check_qkv,
 )
+from .device_class import DeviceClass, device_class
 from .reference import ReferenceKernel
 
 #: The built-in names ``backend=`` takes (configuration files validate against it).
@@ -52,6 +55,7 @@ __all__ = [
     "AttentionMask",
     "BACKENDS",
     "Capabilities",
+    "DeviceClass",
     "DocBlocks",
     "KernelBase",
     "KernelRequest",
@@ -60,9 +64,12 @@ __all__ = [
     "REGISTRY",
     "ReferenceKernel",
     "Row",
+    "Selection",
     "attention_delta",
     "backend_names",
     "check_qkv",
+    "describe",
+    "device_class",
     "get_kernel",
     "kernel_named",
     "register_backend",
