@@ -36,6 +36,7 @@ from .base import (
 )
 from .device_class import DeviceClass, device_class
 from .reference import ReferenceKernel
+from .working_memory import BackwardMemory, Workspace
 
 #: The built-in names ``backend=`` takes (configuration files validate against it).
 BACKENDS = ("auto", "reference", "triton", "sdpa", "sdpa_cudnn", "sdpa_flash", "flash_varlen", "cudnn_fe")
@@ -50,10 +51,21 @@ def get_kernel(
     return kernel_named(select_backend(backend, request))
 
 
+def backward_memory(backend: str) -> BackwardMemory:
+    """What backend ``backend``'s backward allocates, as it declares it (the memory planner's one source);
+    ValueError when the backend is unknown or declares nothing."""
+    memory = kernel_named(backend).capabilities.backward_memory
+    if memory is None:
+        raise ValueError(f"backend {backend!r} declares no backward_memory in its capabilities, so its "
+                         "memory cannot be planned; declare it (lightseq_hf.kernels.BackwardMemory).")
+    return memory
+
+
 __all__ = [
     "AttentionKernel",
     "AttentionMask",
     "BACKENDS",
+    "BackwardMemory",
     "Capabilities",
     "DeviceClass",
     "DocBlocks",
@@ -65,8 +77,10 @@ __all__ = [
     "ReferenceKernel",
     "Row",
     "Selection",
+    "Workspace",
     "attention_delta",
     "backend_names",
+    "backward_memory",
     "check_qkv",
     "describe",
     "device_class",

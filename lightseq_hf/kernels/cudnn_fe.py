@@ -55,6 +55,7 @@ from .packed_rows import (
     running_buffers,
     whole_rows,
 )
+from .working_memory import BackwardMemory, Workspace
 
 __all__ = ["CudnnFeKernel", "OpSet", "ZERO_GRADIENT_VERSIONS", "graph_stats", "load_ops", "ops",
            "unavailable_reason"]
@@ -219,6 +220,14 @@ class CudnnFeKernel(KernelBase):
         max_head_dim=128,
         supports_doc_blocks=True,
         needs_out_in_backward=True,
+        # the op's dq/dk/dv in the input dtype; under GQA the workspace of cuDNN's backward as measured
+        # through torch's cuDNN attention (the SDPA kernel's, not measured through this op); in a ring task,
+        # keys and values copied into the op's bucketed graph shape (up to twice their rows) where the
+        # tensor holding them has no room past them
+        backward_memory=BackwardMemory("cudnn_fe kernel", workspace=(
+            Workspace("dq/dk/dv from the op (compute dtype)", "qkv"),
+            Workspace("GQA backward workspace (float32)", "q", "float32", 2, "gqa"),
+            Workspace("keys and values padded to a graph shape", "kv", "input", 4, "ring"))),
     )
 
     def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
