@@ -96,7 +96,7 @@ class Emulation:
 
     def _check(self, q, k, v, is_causal, bottom_right, window_left, window_right):
         assert q.dim() == k.dim() == v.dim() == 3 and q.dtype == k.dtype == v.dtype
-        assert q.dtype in HALF or q.dtype == torch.float64, q.dtype
+        assert q.dtype in HALF or q.dtype in (torch.float32, torch.float64), q.dtype
         assert all(t.is_contiguous() for t in (q, k, v)) and q.shape[1] % k.shape[1] == 0
         assert k.shape[1] == v.shape[1] and k.shape[0] == v.shape[0]
         if bottom_right:

@@ -11,6 +11,10 @@ float32, natural log), merged into the running out/lse; the backward takes the r
 (the lse padded to ``(sequences, heads, max_seqlen)``, the layout the op's packed backward reads), so the
 gradients of all calls add up to the full gradient. Without ``doc_blocks`` every batch row is one block.
 
+A call that is one op call over every row (a whole packed row on one rank) reads the caller's tensors and
+returns the op's own output and gradients: no gather, merge or float32 copy. Otherwise the op reads views
+wherever the rows are one run, and gradients not added into given buffers come back in the input dtype.
+
 What the op is asked for is planned once per layout (:mod:`.cudnn_fe_layout`): rows that see no key are
 not fed; on cuDNN before 9.26 the backward asks for no key length that is 64 mod 128 (NaN dQ on Hopper:
 such a block's first key is computed here, :func:`_key_pairs_backward`); each
