@@ -582,3 +582,19 @@ def test_ring_tasks_copy_only_rows_the_op_cannot_view(monkeypatch):
             assert in_parts or not float32_rows, (task, float32_rows)
     assert tasks > world and whole_chunks >= 5 * world and not avoidable, (tasks, whole_chunks, avoidable)
     assert 0 < copies <= 5 * (tasks - world)  # only the tasks across chunks copy (keys ending a chunk)
+
+
+def test_one_rank_refuses_a_gradient_through_the_lse_by_name(monkeypatch):
+    """Asked for by name, a backend whose backward takes the output rows serves a call returning the lse;
+    a gradient that reaches that lse is refused in one line naming the backends that take it."""
+    import lightseq_hf
+
+    install(monkeypatch.setattr)
+    q, k, v = (torch.randn(1, 64, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, lse = lightseq_hf.dist_flash_attn(q, k, v, cu_seqlens=[0, 20, 64], backend="cudnn_fe",
+                                           return_lse=True)
+    out.sum().backward(retain_graph=True)  # the output alone: served
+    assert q.grad is not None
+    with pytest.raises(ValueError, match=r"^backend 'cudnn_fe' cannot back-propagate through the returned "
+                                         r"lse; use backend='triton' or 'reference'"):
+        (out.sum() + lse.sum()).backward()
