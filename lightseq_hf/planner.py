@@ -134,7 +134,8 @@ class PlanOptions:
     optimizer_state: bool = True  # AdamW moments allocated (every step after the first)
     optimizer: bool = True  # the step ends with AdamW's update (False: forward and backward only)
     loss_chunk: int = 2048
-    attention_kernel: str = "sdpa"  # sdpa (cuDNN/flash, GQA heads in place) | triton | reference (blockwise)
+    # the registered backend whose declared backward memory is planned (lightseq_hf.kernels.backward_memory)
+    attention_kernel: str = "sdpa"
     allocator: str = "expandable"  # the CUDA caching allocator: expandable segments | default
 
     @property

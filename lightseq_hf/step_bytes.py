@@ -162,31 +162,24 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
                        batch: int) -> dict[str, Bytes]:
     """Temporaries of the distributed attention's backward: the residual's and the output's gradients;
     the float32 dq/dk/dv accumulators; over a group, the ring's buffers (the remote key/value chunk and
-    its prefetch, the float32 dk/dv partials of the other kernels); and the local kernel's own: for the
-    SDPA kernels (cuDNN, flash) the dq/dk/dv they return in the compute dtype (GQA key/value heads read
-    in place, so dk/dv have the key/value heads' size) and, for GQA, their workspace: two float32
-    query-sized tensors (each query head's dk/dv before the sum over its group; fitted to the measured
-    peaks of ``benchmarks/results/bytes-per-token-h100-x1-2026-11-26-8b*.json``, where the peak grew by
-    less than the expanded copies it no longer holds; without GQA no workspace is counted: the committed
-    7B peaks leave no room for a float32 dq of its own); for the reference kernel its
-    float32 accumulators and one block pair's scores, probabilities and gradients with the temporaries
-    between them (7 at once on the CPU). With ``chunks`` head groups the accumulators, ring buffers and
+    its prefetch, and the dk/dv partials of a kernel that returns them in float32); and what the local
+    kernel's backward allocates, as backend ``kernel`` declares it
+    (:attr:`~lightseq_hf.kernels.Capabilities.backward_memory`: for the SDPA kernels the dq/dk/dv they
+    return in the compute dtype and their GQA workspace, for the reference kernel its float32
+    accumulators and one block pair). With ``chunks`` head groups the accumulators, ring buffers and
     kernel temporaries exist for one group at a time, beside the group's slices and the whole
     gradients."""
-    gqa = d.kv < d.q
+    from .kernels import backward_memory
+
+    memory = backward_memory(kernel)
     parts = {"residual and attention-output gradients": per_token((d.h + d.q) * d.c)}
     grouped = {"dq/dk/dv float32 accumulators": per_token((d.q + 2 * d.kv) * 4)}
-    if sp_size > 1:  # the SDPA kernels hand back the partials in the compute dtype (counted with them)
+    if sp_size > 1:
         grouped["ring buffers (remote keys/values, dk/dv partials)"] = per_token(
-            2 * 2 * d.kv * d.c + (0 if kernel == "sdpa" else 2 * d.kv * 4))
-    if kernel == "sdpa":
-        grouped["SDPA kernel: dq/dk/dv (compute dtype)"] = per_token((d.q + 2 * d.kv) * d.c)
-        if gqa:
-            grouped["SDPA kernel: GQA backward workspace (float32)"] = per_token(2 * d.q * 4)
-    elif kernel == "reference":
-        block = min(512, tokens)
-        grouped["reference kernel: accumulators, one block pair"] = (
-            per_token((d.q + 2 * d.kv) * 4) + fixed(7 * batch * d.heads * block * block * 4))
+            2 * 2 * d.kv * d.c + memory.partial_bytes_per_token(d.kv))
+    for name, (fixed_bytes, per) in memory.terms(q=d.q, kv=d.kv, input_bytes=d.c, heads=d.heads, batch=batch,
+                                                 tokens=tokens, gqa=d.kv < d.q, ring=sp_size > 1).items():
+        grouped[name] = Bytes(fixed_bytes, per)
     if chunks > 1:
         grouped = {k: v * (1 / chunks) for k, v in grouped.items()}
         parts["head-group slices and whole gradients"] = per_token(

@@ -90,7 +90,11 @@ def prepare(args: argparse.Namespace, device: torch.device, world: int):
     shape = model_shape(args)
     torch.manual_seed(0)
     model = build_model(shape, max(args.lengths) * world, device, dtype)
-    backend = args.backend or ("sdpa_cudnn" if device.type == "cuda" else "auto")
+    from lightseq_hf.kernels import KernelRequest, select_backend
+
+    asked = args.backend or ("sdpa_cudnn" if device.type == "cuda" else "auto")
+    head_dim = shape[0] // shape[3]
+    backend = select_backend(asked, KernelRequest(device, dtype, head_dim, head_dim))  # auto: this device's
     lightseq_hf.patch_model(model, backend=backend, offload_checkpoints=offload_value(args, shape[2]),
                             tiled_mlp=args.tile)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -146,18 +150,16 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def planned(args: argparse.Namespace, world: int, dtype: torch.dtype, backend: str, tokens: int):
-    """The planner's plan of this run at ``tokens`` per rank (replicated bf16 weights, no optimizer)."""
+    """The planner's plan of this run at ``tokens`` per rank (replicated bf16 weights, no optimizer), with
+    the backward memory ``backend`` declares."""
     from lightseq_hf.planner import ModelShape, PlanOptions, plan_memory
 
     hidden, inter, layers, heads, kv_heads, vocab = model_shape(args)
     shape = ModelShape(hidden, inter, layers, heads, kv_heads, hidden // heads, vocab)
     name = str(dtype).removeprefix("torch.")
-    kernel = {"reference": "reference", "triton": "triton"}.get(backend, "sdpa")
-    if backend == "auto" and dtype == torch.float32:
-        kernel = "reference"  # auto on the CPU
     opts = PlanOptions(context=tokens * world, sp_size=world, world=world, sharding="replicated",
                        master_dtype=name, compute_dtype=name, offload_checkpoints=offload_value(args, layers),
-                       tiled_mlp=args.tile, optimizer_state=False, optimizer=False, attention_kernel=kernel)
+                       tiled_mlp=args.tile, optimizer_state=False, optimizer=False, attention_kernel=backend)
     return plan_memory(shape, opts)
 
 

@@ -1,4 +1,6 @@
-"""Benchmark the triton backend against torch SDPA (cuDNN and flash) in one run, on the same inputs.
+"""Benchmark the triton backend against torch SDPA (cuDNN and flash) in one run, on the same inputs, and the
+backend ``backend="auto"`` picks on this device class through the kernel contract (``auto``; the row's
+``auto_backend``, and per mode ``auto_vs_fastest``: its time over the fastest of ours, cuDNN and flash).
 
 Forward and forward+backward, bf16, batch 1, seq 4K..64K, heads 32/32 and 32/8 (8/8 and 8/2 at 64K),
 head dims 128 and 64, causal and non-causal. Writes ``kernels-<device>-<date>.json`` and a PNG plot
@@ -27,7 +29,9 @@ from benchlib.plots import draw_lines, pyplot, save  # noqa: E402
 from benchlib.results import device_name, device_slug, today, version  # noqa: E402
 from benchlib.timing import attention_flops, timed  # noqa: E402
 
-IMPLS = ("ours", "cudnn", "flash")
+IMPLS = ("ours", "cudnn", "flash", "auto")
+#: the columns that are registered backends (triton, sdpa_cudnn, sdpa_flash): auto is measured against them
+REGISTERED = ("ours", "cudnn", "flash")
 
 
 def measure_ceilings(torch, do_bench) -> dict:
@@ -47,6 +51,7 @@ def measure_ceilings(torch, do_bench) -> dict:
 def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> dict:
     """Closures over one shape's random inputs (bf16; float32 on the CPU): ``ours_fwd``, ``ours_fwd_bwd``,
     ``ours_bwd`` (the backward alone, of a forward made here; the only holder of its out and lse),
+    ``auto_fwd``, ``auto_fwd_bwd`` (the backend auto picks, named by ``auto_backend``),
     ``sdpa_fwd(backend, expanded=False)``, ``sdpa_fwd_bwd(backend, expanded=False)``; with ``sdpa_grads``
     (the SDPA inputs, whose gradients the timer drops) and ``rel_err_vs_flash`` (ours against SDPA flash,
     checked before any timing; ``rel_err_vs_math`` against math SDPA on the CPU)."""
@@ -73,6 +78,19 @@ def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> d
         o, lse = kern.forward(q, k, v, causal=causal, scale=scale)
         return kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
 
+    from lightseq_hf.kernels import KernelRequest, MaskKind, kernel_named, select_backend
+
+    auto_backend = select_backend("auto", KernelRequest(device, dtype, d, d,
+                                                        MaskKind.CAUSAL if causal else MaskKind.FULL))
+    auto = kernel_named(auto_backend)
+
+    def auto_fwd():
+        return auto.forward(q, k, v, causal=causal, scale=scale)
+
+    def auto_fwd_bwd():
+        o, lse = auto.forward(q, k, v, causal=causal, scale=scale)
+        return auto.backward(do, q, k, v, o, lse, causal=causal, scale=scale)
+
     def sdpa(be, expanded=False):
         """torch SDPA with GQA heads in place, or (``expanded``) the way Transformers' SDPA attention calls
         it: keys/values repeated to every query head."""
@@ -92,7 +110,8 @@ def kernel_fns(kern, n: int, h: int, hk: int, d: int, causal: bool, device) -> d
     reference, backend = ("flash", SDPBackend.FLASH_ATTENTION) if device.type == "cuda" else \
         ("math", SDPBackend.MATH)
     err = rel_err(o.transpose(1, 2), sdpa_fwd(backend))
-    return {"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd, "sdpa_fwd": sdpa_fwd,
+    return {"ours_fwd": ours_fwd, "ours_fwd_bwd": ours_fwd_bwd, "auto_fwd": auto_fwd,
+            "auto_fwd_bwd": auto_fwd_bwd, "auto_backend": auto_backend, "sdpa_fwd": sdpa_fwd,
             "sdpa_fwd_bwd": sdpa_fwd_bwd, "sdpa_grads": [qt, kt, vt], f"rel_err_vs_{reference}": err,
             "ours_bwd": lambda: kern.backward(do, q, k, v, o, lse, causal=causal, scale=scale)}
 
@@ -105,6 +124,7 @@ def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int,
 
     fns = kernel_fns(kern, n, h, hk, d, causal, device)
     row = {"seq": n, "heads": h, "kv_heads": hk, "head_dim": d, "causal": causal,
+           "auto_backend": fns["auto_backend"],
            **{key: value for key, value in fns.items() if key.startswith("rel_err_vs_")}}
     row["ours_bwd_only_ms"] = bench(fns.pop("ours_bwd"))  # frees the forward's out and lse
     backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
@@ -115,6 +135,7 @@ def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int,
                    for impl, be in backends.items()})
         if h != hk and device.type == "cuda":
             ms["cudnn_expanded"] = bench(lambda: sdpa(backends["cudnn"], True), fns["sdpa_grads"])
+        ms["auto"] = bench(fns[f"auto_{mode}"])
         fl = attention_flops(1, h, n, d, causal=causal, with_bwd=mode == "fwd_bwd")
         row[mode] = {impl: None if t is None else {"ms": t, "tflops": fl / t / 1e9} for impl, t in ms.items()}
         for impl in (i for i in ms if i != "ours"):
@@ -122,6 +143,8 @@ def bench_shape(kern, bench, ceil: dict | None, n: int, h: int, hk: int, d: int,
                 None if ms[impl] is None or ms["ours"] is None else ms[impl] / ms["ours"]
             )
         row[mode]["floor_ms_matmul"] = fl / ceil["matmul_bf16_8192_tflops"] / 1e9 if ceil else None
+        fastest = min((ms[impl] for impl in REGISTERED if ms.get(impl) is not None), default=None)
+        row[mode]["auto_vs_fastest"] = ms["auto"] / fastest if ms["auto"] and fastest else None
     return row
 
 
@@ -226,6 +249,9 @@ def summarize(rows: list[dict]) -> dict:
     cud_f = [ratio(r, "fwd", "cudnn") for r in causal128]
     s["fwd_bwd_vs_cudnn_min_16k_up"] = min([x for x in cud_fb if x is not None], default=None)
     s["fwd_vs_cudnn_min"] = min([x for x in cud_f if x is not None], default=None)
+    auto = [r["fwd_bwd"].get("auto_vs_fastest") for r in rows]
+    s["auto_vs_fastest_max"] = max([x for x in auto if x is not None], default=None)
+    s["auto_backends"] = sorted({r["auto_backend"] for r in rows})
     s["gqa_fwd_bwd_cudnn_expanded_over_native"] = [
         {"seq": r["seq"], "heads": f"{r['heads']}/{r['kv_heads']}", "head_dim": r["head_dim"],
          "causal": r["causal"], "ratio": r["fwd_bwd"]["cudnn_expanded"]["ms"] / r["fwd_bwd"]["cudnn"]["ms"]}
@@ -264,7 +290,8 @@ def resource_report() -> list[dict]:
 def fmt_row(r: dict) -> str:
     def part(mode):
         m = r[mode]
-        t = " ".join(f"{impl}={m[impl]['tflops']:6.1f}" if m[impl] else f"{impl}=   n/a" for impl in IMPLS)
+        t = " ".join(f"{impl}={m[impl]['tflops']:6.1f}" if m.get(impl) else f"{impl}=   n/a"
+                     for impl in IMPLS)
         c = m.get("cudnn_over_ours")
         f = m.get("flash_over_ours")
         return f"{t} cudnn/ours={c:.2f} flash/ours={f:.2f}" if c and f else t
@@ -281,7 +308,7 @@ def plot(res: dict, path: Path) -> None:
     for i, mode in enumerate(("fwd", "fwd_bwd")):
         for j, causal in enumerate((True, False)):
             ax = axes[i][j]
-            for impl, color in zip(IMPLS, ("C0", "C1", "C2")):
+            for impl, color in zip(IMPLS, ("C0", "C1", "C2", "C3")):
                 for d, gqa, style in ((128, False, "-"), (128, True, "--"), (64, False, ":")):
                     pts = [
                         (r["seq"], r[mode][impl]["tflops"])
@@ -289,7 +316,7 @@ def plot(res: dict, path: Path) -> None:
                         if r["causal"] == causal
                         and r["head_dim"] == d
                         and (r["heads"] != r["kv_heads"]) == gqa
-                        and r[mode][impl]
+                        and r[mode].get(impl)
                     ]
                     draw_lines(ax, {f"{impl} d{d}{' GQA' if gqa else ''}": pts}, style, color=color, ms=3)
             ax.set_xscale("log", base=2)

@@ -3,11 +3,14 @@
 Backends on the same bf16 tokens, per row length and key/value head count: our Triton kernels with key
 ranges, ``flash_varlen`` (torch's FlashAttention-2 varlen op), ``cudnn_fe`` (cuDNN's variable-length op from
 nvidia-cudnn-frontend, through our backend: bucketed graph shapes, the backward's key-length split),
-``cudnn_fe_raw`` (the package's own autograd op on the row's exact lengths: what our layout costs; not a
-candidate for "best"), FlexAttention with a document block mask (compiled), and dense cuDNN causal attention
-over the whole row (the per-FLOP yardstick). Each is timed as wall time (CUDA events, host work included) and
-GPU time (the kernels' own time, from the profiler). Useful FLOPs count the pairs each query row sees:
-``4 * heads * dim`` per pair forward, 3.5x that forward+backward.
+``auto`` (the backend ``backend="auto"`` picks for packed rows on this device class, its row ``auto_backend``;
+when that backend has its own column the measurement is shared), ``op`` (one direct call of the cuDNN
+frontend's op each way on the row's exact document lengths: the yardstick of ``cudnn_fe``), ``cudnn_fe_raw``
+(the package's own autograd op, bottom-right causal), FlexAttention with a document block mask (compiled),
+and dense cuDNN causal attention over the whole row (the per-FLOP yardstick). ``op``, ``auto`` and
+``cudnn_fe_raw`` are not candidates for "best". Each is timed as wall time (CUDA events, host work
+included) and GPU time (the kernels' own time, from the profiler). Useful FLOPs count the pairs each query
+row sees: ``4 * heads * dim`` per pair forward, 3.5x that forward+backward.
 
 ``--stream STEPS`` then runs a changing packed stream: every step a new row of log-normal documents (seeds
 20000 + step), forward+backward of every ring task of ``--stream-worlds`` ranks run on this GPU (world 1:
@@ -18,7 +21,9 @@ document blocks or key ranges, inside it), against dense cuDNN on the same token
 Writes ``packed-kernels-<gpu>-<date>.json`` to ``--out`` and prints a table. The summary has
 ``packed_vs_dense_per_flop`` (best packed backend's time per useful FLOP over dense cuDNN's, 64K, first head
 layout), ``cudnn_fe_vs_dense_per_flop`` and ``cudnn_fe_speedup_vs_triton`` (64K, per head layout too), and
-with a stream ``stream_cudnn_fe_vs_dense_per_flop`` and builds per step.
+with a stream ``stream_cudnn_fe_vs_dense_per_flop`` and builds per step. Per row: ``cudnn_fe_vs_op`` (our
+backend's time over the direct op call's) and ``auto_vs_fastest`` (auto's time over the fastest candidate's),
+and their largest over the rows (``cudnn_fe_vs_op_max``, ``auto_vs_fastest_max``).
 
 ``--device cpu`` is the smoke run (float32, the host clock, Triton's interpreter: set TRITON_INTERPRET=1;
 the backends that need a GPU are left out), e.g. ``--device cpu --seqs 256 --dims 64 --heads 2/1
@@ -44,14 +49,22 @@ from benchlib.results import device_name, device_slug, today, version  # noqa: E
 from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops, timed  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402
 
-from lightseq_hf.kernels import AttentionMask, cudnn_fe, flash_varlen, kernel_named  # noqa: E402
+from lightseq_hf.kernels import (  # noqa: E402
+    AttentionMask,
+    KernelRequest,
+    MaskKind,
+    cudnn_fe,
+    kernel_named,
+    select_backend,
+)
+from lightseq_hf.kernels.autoselect import refusal  # noqa: E402
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks  # noqa: E402
 from lightseq_hf.parallel.schedule import SpanTask  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule  # noqa: E402
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range  # noqa: E402
 
 #: measured runners that are not candidates for the best packed backend
-DIAGNOSTIC = ("cudnn_fe_raw",)
+DIAGNOSTIC = ("cudnn_fe_raw", "op", "auto")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=1.0, help="log-normal sigma of the document lengths")
     p.add_argument("--max-doc", type=int, default=32768)
     p.add_argument("--flex-seqs", default="16384,65536", help="rows where FlexAttention runs (compiles)")
-    p.add_argument("--backends", default="triton,flash_varlen,cudnn_fe,cudnn_fe_raw,flex")
+    p.add_argument("--backends", default="triton,flash_varlen,cudnn_fe,op,auto,flex",
+                   help="of triton, flash_varlen, cudnn_fe, op, auto, cudnn_fe_raw, flex")
     p.add_argument("--budget-s", type=float, default=330.0, help="skip further table rows past this time")
     p.add_argument("--stream", type=int, default=0, help="steps of a changing packed stream (0: none)")
     p.add_argument("--stream-seq", type=int, default=65536)
@@ -88,33 +102,61 @@ def wall_and_gpu_ms(run, dev) -> tuple[float, float | None]:
 
 
 def packed_runners(seg, q, k, v, dout, scale, seq, args):
-    """name -> fwd+bwd callable returning (out (b, s, h, d), dq), for the backends that run here."""
+    """name -> fwd+bwd callable returning (out (b, s, h, d), dq), for the backends that run here, and the
+    backend auto runs (its runner is ``"auto"``'s unless that backend has its own column)."""
     n, dev = q.shape[1], q.device
     wanted = [b for b in args.backends.split(",") if b]
     blocks = task_doc_blocks(seg, SpanTask(0, 0, 0, n, 0, True), n, True, dev)
+    ranges = AttentionMask(key_range=local_key_range(*key_ranges(seg, causal=True, device=dev), 0, n))
+    request = KernelRequest(dev, q.dtype, q.shape[-1], v.shape[-1], MaskKind.DOCUMENTS)
     runners = {}
 
-    def kernel_pair(name, mask: AttentionMask):
+    def kernel_pair(name):
         kernel = kernel_named(name)
+        mask = AttentionMask(doc_blocks=blocks) if kernel.capabilities.supports_doc_blocks else ranges
 
         def run():
             out, lse = kernel.forward(q, k, v, scale=scale, mask=mask)
             return out, kernel.backward(dout, q, k, v, out, lse, scale=scale, mask=mask)[0]
         return run
 
-    if "triton" in wanted:
-        runners["triton"] = kernel_pair("triton", AttentionMask(key_range=local_key_range(
-            *key_ranges(seg, causal=True, device=dev), 0, n)))
-    if "flash_varlen" in wanted and flash_varlen.usable(dev):
-        runners["flash_varlen"] = kernel_pair("flash_varlen", AttentionMask(doc_blocks=blocks))
-    if dev.type == "cuda" and cudnn_fe.unavailable_reason() is None and q.shape[-1] <= 128:
-        if "cudnn_fe" in wanted:
-            runners["cudnn_fe"] = kernel_pair("cudnn_fe", AttentionMask(doc_blocks=blocks))
+    for name in ("triton", "flash_varlen", "cudnn_fe"):
+        if name in wanted and refusal(name, request) is None:
+            runners[name] = kernel_pair(name)
+    if refusal("cudnn_fe", request) is None:
+        if "op" in wanted:
+            runners["op"] = op_runner(seg, q, k, v, dout, scale)
         if "cudnn_fe_raw" in wanted:
             runners["cudnn_fe_raw"] = raw_cudnn_fe_runner(seg, q, k, v, dout, scale)
     if "flex" in wanted and seq in args.flex_seqs:
         runners["flex"] = flex_runner(seg, q, k, v, dout, scale)
-    return runners
+    auto = select_backend("auto", request) if "auto" in wanted else None
+    if auto is not None and auto not in runners:
+        runners["auto"] = kernel_pair(auto)
+    return runners, auto
+
+
+def op_runner(seg, q, k, v, dout, scale):
+    """One direct call of the cuDNN frontend's op each way over the row's documents with their exact
+    lengths (top-left causal: every document is square), the forward's lse laid out for the backward in
+    between; the op reads the row's own tensors."""
+    lens = [b - a for a, b in seg.docs[0]]
+    dev, longest = q.device, max(lens)
+    cu = torch.tensor([0, *lens]).cumsum(0).int().to(dev)
+    block = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
+    pos = torch.arange(sum(lens), device=dev) - cu[:-1].long()[block]
+    qt, kt, vt, dt = (x[0] for x in (q, k, v, dout))
+    ops = cudnn_fe.ops()
+    lengths = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    def run():
+        out, stats = ops.forward(qt, kt, vt, scale, is_causal=True, return_lse=True, **lengths)
+        lse = stats.new_zeros((len(lens), q.shape[2], longest))
+        lse[block, :, pos] = stats[:, :, 0]
+        dq, _, _ = ops.backward(dt, qt, kt, vt, out, lse, scale, is_causal=True, **lengths)
+        return out.unsqueeze(0), dq.unsqueeze(0)
+
+    return run
 
 
 def raw_cudnn_fe_runner(seg, q, k, v, dout, scale):
@@ -206,7 +248,8 @@ def bench_row(seq, d, h, hk, args, t0) -> dict:
     row = {"seq": seq, "head_dim": d, "heads": h, "kv_heads": hk, "docs": len(docs),
            "longest_doc": max(b - a for a, b in docs), "useful_pairs": pairs, "fwd_bwd": {}, "rel_err": {}}
     ref = None
-    for name, run in packed_runners(seg, q, k, v, dout, scale, seq, args).items():
+    runners, auto = packed_runners(seg, q, k, v, dout, scale, seq, args)
+    for name, run in runners.items():
         try:
             out, dq = run()
             if ref is None:
@@ -220,6 +263,10 @@ def bench_row(seq, d, h, hk, args, t0) -> dict:
         print(f"  {seq // 1024}K {h}/{hk} d{d} {name}: {row['fwd_bwd'][name]} [{time.time() - t0:.0f}s]",
               flush=True)
         torch.cuda.empty_cache()
+    if auto is not None:
+        row["auto_backend"] = auto
+        if auto in row["fwd_bwd"]:  # measured in its own column
+            row["fwd_bwd"]["auto"] = {**row["fwd_bwd"][auto], "same_as": auto}
     run, gqa = dense_runner(q, k, v, dout, scale)
     ms, dense_gpu_ms = wall_and_gpu_ms(run, dev)
     row["dense_cudnn"] = {"ms": ms, "tflops": dense_flops / ms / 1e9, "gqa_native": gqa,
@@ -243,6 +290,10 @@ def add_ratios(row: dict, flops: float, dense_flops: float) -> dict:
                 row[f"{name}_speedup_vs_triton"] = ok["triton"] / ok[name]
     if "triton" in ok and row["best_packed"]:
         row["packed_speedup_vs_triton"] = ok["triton"] / candidates[row["best_packed"]]
+    if "cudnn_fe" in ok and "op" in ok:
+        row["cudnn_fe_vs_op"] = ok["cudnn_fe"] / ok["op"]
+    if "auto" in ok and candidates:
+        row["auto_vs_fastest"] = ok["auto"] / candidates[row["best_packed"]]
     return row
 
 
@@ -368,7 +419,12 @@ def summarize(rows: list[dict], stream: dict | None = None) -> dict:
     s = {"per_row": {f"{r['seq']}/{r['heads']}/{r['kv_heads']}/d{r['head_dim']}": {
         key: r.get(key) for key in ("best_packed", "packed_vs_dense_per_flop", "packed_speedup_vs_triton",
                                     "cudnn_fe_vs_dense_per_flop", "cudnn_fe_speedup_vs_triton",
-                                    "cudnn_fe_raw_vs_dense_per_flop")} for r in rows}}
+                                    "cudnn_fe_raw_vs_dense_per_flop", "cudnn_fe_vs_op", "auto_backend",
+                                    "auto_vs_fastest")} for r in rows}}
+    for key in ("cudnn_fe_vs_op", "auto_vs_fastest"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            s[f"{key}_max"] = max(values)
     at64 = [r for r in rows if r["seq"] == 65536 and r["head_dim"] == 128]
     if at64:
         first = at64[0]

@@ -71,8 +71,15 @@ def _visible(m, n, causal, bottom_right, window_left, window_right):
     return seen
 
 
+def _storages(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """Where each tensor's storage is (a tensor and the views of it share one)."""
+    return tuple(t.untyped_storage().data_ptr() for t in tensors)
+
+
 class Emulation:
-    """The two ops; ``calls`` records each call's sequences and shape, ``graphs`` the op's cache keys."""
+    """The two ops; ``calls`` records each call's sequences and shape, the storages of its tensor arguments
+    (``storages``: forward q, k, v; backward grad_out, q, k, v, o) and of its results (``results``),
+    ``graphs`` the op's cache keys."""
 
     def __init__(self, cudnn_version: int = 91900, nan_dq_hazard: bool = False) -> None:
         self.cudnn_version, self.nan_dq_hazard = cudnn_version, nan_dq_hazard
@@ -89,7 +96,7 @@ class Emulation:
 
     def _check(self, q, k, v, is_causal, bottom_right, window_left, window_right):
         assert q.dim() == k.dim() == v.dim() == 3 and q.dtype == k.dtype == v.dtype
-        assert q.dtype in HALF or q.dtype == torch.float64, q.dtype
+        assert q.dtype in HALF or q.dtype in (torch.float32, torch.float64), q.dtype
         assert all(t.is_contiguous() for t in (q, k, v)) and q.shape[1] % k.shape[1] == 0
         assert k.shape[1] == v.shape[1] and k.shape[0] == v.shape[0]
         if bottom_right:
@@ -126,6 +133,8 @@ class Emulation:
             o[~any_key] = math.nan  # not part of the contract: a caller must not feed such rows
             lse[:, ~any_key] = math.nan
             out[a:b], stats[a:b, :, 0] = o.to(q.dtype), lse.t().to(stats_dtype)
+        self.calls[-1]["storages"] = _storages(q, k, v)
+        self.calls[-1]["results"] = _storages(out, stats)
         return out, stats
 
     def backward(self, grad_out, q, k, v, o, lse, attn_scale, is_causal=False, causal_bottom_right=False,
@@ -151,7 +160,10 @@ class Emulation:
             if b > a:
                 self._sequence_backward(grads, grad_out, q, k, v, o, lse[i, :, :b - a], attn_scale,
                                         mask_args, (a, b, c, d))
-        return tuple(g.to(q.dtype) for g in grads)
+        grads = tuple(g.to(q.dtype) for g in grads)
+        self.calls[-1]["storages"] = _storages(grad_out, q, k, v, o)
+        self.calls[-1]["results"] = _storages(*grads)
+        return grads
 
     def _sequence_backward(self, grads, grad_out, q, k, v, o, lse, scale, mask_args, seq):
         a, b, c, d = seq

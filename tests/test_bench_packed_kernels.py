@@ -30,9 +30,10 @@ def _row(seq, hk, ms, dense_ms, d=128):
 
 def test_ratios_and_summary(bench):
     flops, dense_flops = 1.0, 4.0  # the documents hold a quarter of the causal pairs
-    row = bench.add_ratios(_row(65536, 32, {"triton": 100.0, "cudnn_fe": 64.0, "cudnn_fe_raw": 60.0,
-                                            "flex": 80.0}, 240.0), flops, dense_flops)
-    assert row["best_packed"] == "cudnn_fe"  # the raw op is measured, never "best"
+    times = {"triton": 100.0, "cudnn_fe": 64.0, "cudnn_fe_raw": 60.0, "op": 56.0, "auto": 64.0, "flex": 80.0}
+    row = bench.add_ratios(_row(65536, 32, times, 240.0), flops, dense_flops)
+    assert row["best_packed"] == "cudnn_fe"  # the raw op, the direct op call and auto: measured, never "best"
+    assert row["cudnn_fe_vs_op"] == pytest.approx(64 / 56) and row["auto_vs_fastest"] == 1.0
     assert row["packed_vs_dense_per_flop"] == pytest.approx(64.0 / 60.0)
     assert row["cudnn_fe_vs_dense_per_flop"] == pytest.approx(64.0 / 60.0)
     assert row["cudnn_fe_raw_vs_dense_per_flop"] == pytest.approx(1.0)
@@ -48,6 +49,8 @@ def test_ratios_and_summary(bench):
     assert s["cudnn_fe_vs_dense_per_flop_by_heads"] == {"32/32": pytest.approx(64 / 60),
                                                         "32/8": pytest.approx(40 / 50)}
     assert set(s["per_row"]) == {"65536/32/32/d128", "65536/32/8/d128", "16384/32/32/d128", "65536/32/32/d64"}
+    assert s["per_row"]["65536/32/32/d128"]["cudnn_fe_vs_op"] == pytest.approx(64 / 56)
+    assert s["cudnn_fe_vs_op_max"] == pytest.approx(64 / 56)
 
 
 def test_table_plan_puts_the_summary_rows_first(bench):
@@ -91,3 +94,27 @@ def test_stream_mode_runs_on_the_cpu_with_the_emulated_op(bench, monkeypatch, tm
     assert sum(r["builds"][0] for r in result["stream"]) <= emu.builds  # counted from the op's cache
     assert result["summary"]["stream"]["2"]["builds"] == sum(fe["builds"])
     assert result["rows"] == [] and result["summary"]["stream_builds_per_step_last_half"] is not None
+
+
+def test_the_table_times_one_direct_op_call_and_auto_beside_cudnn_fe(bench, monkeypatch, tmp_path):
+    """The table on the CPU with the emulated op: the ``op`` column is one forward and one backward call of
+    the op on the row's exact document lengths (no padded sequences, the whole row), ``auto`` is timed
+    (never a candidate for "best"), and each row has ``cudnn_fe_vs_op`` and ``auto_vs_fastest``."""
+    emu = install(monkeypatch.setattr)
+    bench.main(["--device", "cpu", "--seqs", "256", "--dims", "16", "--heads", "4/2", "--extra-dim-seq", "",
+                "--flex-seqs", "", "--median", "40", "--max-doc", "100", "--backends", "cudnn_fe,op,auto",
+                "--out", str(tmp_path), "--tag=-op"])
+    result = json.loads(next(tmp_path.glob("packed-kernels-cpu-*-op.json")).read_text())
+    (row,) = result["rows"]
+    assert set(row["fwd_bwd"]) == {"cudnn_fe", "op", "auto"} and row["best_packed"] == "cudnn_fe"
+    assert row["auto_backend"] == "reference" and "same_as" not in row["fwd_bwd"]["auto"]  # the CPU's
+    assert max(row["rel_err"]["op"]) < 1e-5 and max(row["rel_err"]["auto"]) < 1e-5
+    ms = {name: r["ms"] for name, r in row["fwd_bwd"].items()}
+    assert row["cudnn_fe_vs_op"] == pytest.approx(ms["cudnn_fe"] / ms["op"])
+    assert row["auto_vs_fastest"] == pytest.approx(ms["auto"] / ms["cudnn_fe"])
+    assert result["summary"]["per_row"]["256/4/2/d16"]["cudnn_fe_vs_op"] == row["cudnn_fe_vs_op"]
+    assert result["summary"]["cudnn_fe_vs_op_max"] == row["cudnn_fe_vs_op"]
+    exact = [c for c in emu.calls if 0 not in c["q_lens"] and c["rows"] == 256 and sum(c["q_lens"]) == 256]
+    assert {c["op"] for c in exact} == {"forward", "backward"}
+    assert all(c["causal"] and not c["bottom_right"] and c["max_q"] == max(c["q_lens"]) for c in exact)
+    assert len(exact[0]["q_lens"]) == row["docs"]

@@ -17,8 +17,12 @@ import torch
 from cudnn_fe_emulation import install
 from distributed import rel_err
 from doc_reference import random_docs
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from lightseq_hf.kernels import (
+    AttentionMask,
+    DeviceClass,
     KernelRequest,
     MaskKind,
     ReferenceKernel,
@@ -30,7 +34,9 @@ from lightseq_hf.kernels.base import make_doc_blocks
 from lightseq_hf.kernels.cudnn_fe_layout import (
     GraphShape,
     GraphShapes,
+    aligned_calls,
     backward_plan,
+    backward_tokens,
     bucket,
     fed_blocks,
     key_length_hazard,
@@ -107,18 +113,30 @@ def test_graph_shapes_bucket_and_reuse():
     assert [bucket(n) for n in (0, 1, 3, 4, 5)] == [1, 1, 4, 4, 8]
     assert bucket(100, 128) == 128 and bucket(129, 128) == 256
     blocks = make_doc_blocks((3, 200, 1), (5, 300, 1), slice(0, 204), slice(0, 306), True, "cpu")
-    assert GraphShape.bucketed(blocks, False) == GraphShape(4, 512, 0)
-    assert GraphShape.bucketed(blocks, True) == GraphShape(4, 512, 512)
+    assert GraphShape.bucketed(blocks) == GraphShape(4, 512)
+    assert GraphShape.bucketed(blocks, (256, 512)) == GraphShape(4, 512, 256, 512)
+    # a side's backward rows: the bucket where the tensor's storage reaches it from the first fed row, the
+    # tensor's own rows when all are fed and they are a run's local length, else the bucket (copied); with
+    # the counts a built graph may have
+    assert backward_tokens(slice(0, 204), 204, 204, 300) == (256, (204, 300))
+    assert backward_tokens(slice(50, 254), 204, 254, 306) == (256, (204, 256))
+    assert backward_tokens(slice(0, 3072), 3072, 3072, 3072) == (3072, (3072, 3072))
+    assert backward_tokens(slice(0, 204), 204, 204, 204) == (256, (256, 512))
+    assert backward_tokens(slice(100, 304), 204, 304, 304) == (256, (256, 512))
+    assert backward_tokens(torch.arange(5), 5, 100, 100) == (128, (128, 256))
     shapes = GraphShapes()
-    big = GraphShape(8, 1024, 2048)
+    big = GraphShape(8, 1024, 2048, 2048)
     assert shapes.choose("k", big) == big
-    assert shapes.choose("k", GraphShape(4, 512, 1024)) == big  # grid 4x, tokens 2x: reused
-    assert shapes.choose("k", GraphShape(4, 256, 1024)) == GraphShape(4, 256, 1024)  # grid 8x: its own
-    assert shapes.choose("k", GraphShape(8, 1024, 512)) == GraphShape(8, 1024, 512)  # tokens 4x: its own
-    assert shapes.choose("other", GraphShape(4, 512, 1024)) == GraphShape(4, 512, 1024)  # another key
+    spans = ((1000, 4096), (1024, 2048))
+    assert shapes.choose("k", GraphShape(4, 512, 1024, 1024), spans) == big  # grid 4x, rows in the spans
+    assert shapes.choose("k", GraphShape(4, 256, 1024, 1024), spans) == GraphShape(4, 256, 1024, 1024)  # 8x
+    small = GraphShape(8, 1024, 512, 512)
+    assert shapes.choose("k", small, ((512, 1024), (512, 4096))) == small  # 2048 query rows: outside
+    assert shapes.choose("k", small) == small  # no spans: the rows as asked
+    assert shapes.choose("other", GraphShape(4, 512, 1024, 1024), spans) == GraphShape(4, 512, 1024, 1024)
     assert len(shapes) == 4
     for i in range(40):
-        shapes.choose("k", GraphShape(1, 128 * (i + 1), 0))
+        shapes.choose("k", GraphShape(1, 128 * (i + 1)))
     assert len(shapes) == 24 + 1  # the least recently chosen shapes are forgotten
 
 
@@ -132,9 +150,12 @@ def _stream_layouts(steps: int, seq: int):
 
 def test_graph_shapes_stay_few_on_a_changing_packed_stream():
     """40 steps of 32K-token rows of log-normal documents on a 2-rank ring: every task's calls (forward,
-    backward parts) through the backend's planning. Each rank asks for few shapes, almost none after the
-    first steps, where the exact shapes the op would otherwise key on are new at nearly every step."""
+    backward parts) through the backend's planning, its tensors as the ring holds them (a rank's own rows
+    and keys views of its chunk, another rank's received as they are). Each rank asks for few shapes,
+    almost none after the first steps, where the exact shapes the op would otherwise key on are new at
+    every step."""
     world, seq, steps = 2, 32768, 40
+    chunk = seq // world
     shapes = [GraphShapes() for _ in range(world)]
     exact: list[set] = [set() for _ in range(world)]
     late_new, late_exact = [0] * world, [0] * world
@@ -144,20 +165,29 @@ def test_graph_shapes_stay_few_on_a_changing_packed_stream():
             for rank, task in enumerate(tasks):
                 if task is None:
                     continue
-                fed = fed_blocks(task_doc_blocks(seg, task, seq // world, True, "cpu"))
-                for kind, call in (("f", fed), ("b", backward_plan(fed, True)[0])):
-                    before = len(shapes[rank])
-                    shapes[rank].choose((kind, call.causal), GraphShape.bucketed(call, kind == "b"))
-                    key = (kind, call.causal, call.num_blocks, call.max_q, call.max_k, call.total_q,
-                           call.total_k)
-                    if step >= steps // 2:
-                        late_new[rank] += len(shapes[rank]) > before
-                        late_exact[rank] += key not in exact[rank]
-                    exact[rank].add(key)
+                key_a, key_b = task.keys(chunk)
+                rows, keys = task.row_stop - task.row_start, key_b - key_a
+                room_q = chunk - task.row_start if task.q_owner == rank else rows
+                room_k = chunk - key_a if task.kv_owner == rank else keys
+                for aligned in aligned_calls(fed_blocks(task_doc_blocks(seg, task, chunk, True, "cpu"))):
+                    for kind, call in (("f", aligned), ("b", backward_plan(aligned, True)[0])):
+                        before = len(shapes[rank])
+                        need, spans = GraphShape.bucketed(call), None
+                        if kind == "b":
+                            (tq, sq), (tk, sk) = (backward_tokens(call.q_rows, call.total_q, rows, room_q),
+                                                  backward_tokens(call.k_rows, call.total_k, keys, room_k))
+                            need, spans = GraphShape.bucketed(call, (tq, tk)), (sq, sk)
+                        shapes[rank].choose((kind, call.causal), need, spans)
+                        key = (kind, call.causal, call.num_blocks, call.max_q, call.max_k, call.total_q,
+                               call.total_k)
+                        if step >= steps // 2:
+                            late_new[rank] += len(shapes[rank]) > before
+                            late_exact[rank] += key not in exact[rank]
+                        exact[rank].add(key)
     for rank in range(world):
         assert len(shapes[rank]) <= 48  # well inside the op's 128 cached graphs
         assert late_new[rank] <= steps // 4, late_new  # at most one build every other step, late on
-        assert late_exact[rank] >= steps // 2  # unbucketed, every step would build
+        assert late_exact[rank] >= steps, late_exact  # unbucketed, every step would build
 
 
 def doc_layouts(world: int, chunk: int):
@@ -319,15 +349,14 @@ def test_refusals_name_the_problem_in_one_line(monkeypatch):
         with pytest.raises(ValueError, match=rf"^backend 'cudnn_fe' .*{words}"):
             select_backend("cudnn_fe", request)
     assert select_backend("cudnn_fe", docs) == "cudnn_fe"
-    for gpu, chosen in (("NVIDIA H100 80GB HBM3", "cudnn_fe"), ("NVIDIA H200", "triton")):
-        with mock.patch("lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value=gpu):
-            for kind in MaskKind:  # auto takes it for packed documents where it was measured fastest only
-                want = chosen if kind == MaskKind.DOCUMENTS else "not cudnn_fe"
-                got = select_backend("auto", KernelRequest(cuda, torch.bfloat16, 128, 128, kind))
-                assert got == want or (want == "not cudnn_fe" and got != "cudnn_fe"), (gpu, kind, got)
-    with mock.patch("lightseq_hf.kernels.autoselect.torch.cuda.get_device_name", return_value="NVIDIA H100"):
-        monkeypatch.setattr(cudnn_fe, "unavailable_reason", lambda: "needs the package")  # not installed
-        assert select_backend("auto", docs) != "cudnn_fe"
+    hopper = DeviceClass("cuda", (9, 0), 91900, frozenset({"nvidia-cudnn-frontend"}))
+    for kind in MaskKind:  # auto takes it for packed documents only
+        got = select_backend("auto", KernelRequest(cuda, torch.bfloat16, 128, 128, kind), device_class=hopper)
+        assert (got == "cudnn_fe") == (kind == MaskKind.DOCUMENTS), (kind, got)
+    without = DeviceClass("cuda", (9, 0), 91900)
+    assert select_backend("auto", docs, device_class=without) != "cudnn_fe"
+    monkeypatch.setattr(cudnn_fe, "unavailable_reason", lambda: "needs the package")  # installed, cannot load
+    assert select_backend("auto", docs, device_class=hopper) != "cudnn_fe"
 
 
 def test_cudnn_versions_with_zero_gradients_are_refused(monkeypatch):
@@ -388,3 +417,184 @@ def test_the_op_call_recorder_of_the_internal_surface(monkeypatch):
     assert [c["op"] for c in calls] == ["forward", "backward"] and calls[0]["k_lens"] == (6, 64)
     assert calls[1]["k_lens"] == (6, 63)  # the key length 64 goes without its first key
     assert cudnn_fe.ops() is ops and len(emu.calls) == 2
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class NewTensors(TorchDispatchMode):
+    """Every tensor an op returns in a storage none of its arguments share (an allocation the caller can
+    see), as ``(op, shape, dtype)``; the cuDNN ops' own results are kept apart (``op_results``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.new: list[tuple[str, tuple, torch.dtype]] = []
+        self.op_results = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {_storage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        fresh = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel()
+                 and _storage(t) not in given]
+        if "cudnn" in str(func):
+            self.op_results += len(fresh)
+        else:
+            self.new += [(str(func), tuple(t.shape), t.dtype) for t in fresh]
+        return out
+
+    def rows(self, dims: tuple[int, int, int], dtype=None) -> list:
+        """The new tensors of query or key rows ``(..., heads or kv_heads, head dim)`` (``dims``: heads,
+        kv heads, head dim), of ``dtype`` (None: any)."""
+        h, hk, d = dims
+        return [n for n in self.new if len(n[1]) >= 3 and n[1][-1] == d and n[1][-2] in (h, hk)
+                and (dtype is None or n[2] == dtype)]
+
+
+def _doc_attention(q, k, v, docs, scale):
+    """float64 causal attention inside each document of one row (key/value heads repeated)."""
+    out = torch.zeros(q.shape[1:], dtype=torch.float64)
+    group = q.shape[2] // k.shape[2]
+    for a, b in docs:
+        s = torch.einsum("qhd,khd->hqk", q[0, a:b].double(),
+                         k[0, a:b].double().repeat_interleave(group, 1)) * scale
+        s = s.masked_fill(torch.ones(b - a, b - a, dtype=torch.bool).triu(1), -math.inf)
+        out[a:b] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[0, a:b].double().repeat_interleave(group, 1))
+    return out[None]
+
+
+def test_a_packed_row_on_one_rank_is_one_op_call_each_way_on_the_callers_tensors(monkeypatch):
+    """``dist_flash_attn`` on one rank, bf16, a 3072-token row of 7 documents: one forward and one backward
+    op call; the op reads the caller's q, k, v, the output it returned and the caller's output gradient
+    (no gather, no copy), and its results are what the caller gets (the output, and q.grad, k.grad, v.grad:
+    no merge, no float32 copy); against float64 attention inside each document."""
+    import lightseq_hf
+
+    emu = install(monkeypatch.setattr)
+    n, h, hk, d = 3072, 4, 2, 16
+    docs = ((0, 300), (300, 700), (700, 1200), (1200, 1800), (1800, 2300), (2300, 2900), (2900, 3072))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, n, h, d, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, n, hk, d, generator=g).bfloat16().requires_grad_() for _ in "kv")
+    out = lightseq_hf.dist_flash_attn(q, k, v, cu_seqlens=[0, *(b for _, b in docs)], backend="cudnn_fe")
+    grad = torch.randn(out.shape, generator=g).bfloat16()
+    out.backward(grad)
+    forward, backward = emu.calls
+    assert (forward["op"], backward["op"]) == ("forward", "backward")
+    assert forward["storages"] == tuple(map(_storage, (q, k, v))) and _storage(out) == forward["results"][0]
+    assert backward["storages"] == tuple(map(_storage, (grad, q, k, v, out)))
+    assert tuple(map(_storage, (q.grad, k.grad, v.grad))) == backward["results"]
+    assert q.grad.dtype == k.grad.dtype == torch.bfloat16
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = _doc_attention(*leaves, docs, d ** -0.5)
+    want.backward(grad.double())
+    assert rel_err(out, want) < 1e-2
+    for got, leaf in zip((q.grad, k.grad, v.grad), leaves):
+        assert rel_err(got, leaf.grad) < 2e-2
+
+
+def _ring_tensors(world, chunk, dims, gen):
+    """Per rank: its q, dout, out (bf16), k, v (bf16), lse and the float32 accumulators (running out, lse,
+    dq, dk, dv), each in its own storage as a rank holds them."""
+    h, hk, d = dims
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).bfloat16()
+
+    ranks = []
+    for _ in range(world):
+        t = {"q": randn(1, chunk, h, d), "dout": randn(1, chunk, h, d), "out": randn(1, chunk, h, d),
+             "k": randn(1, chunk, hk, d), "v": randn(1, chunk, hk, d),
+             "lse": torch.randn(1, h, chunk, generator=gen).float() + 3.0}
+        t.update(run_out=torch.zeros(1, chunk, h, d), run_lse=torch.full((1, h, chunk), -math.inf),
+                 dq=torch.zeros(1, chunk, h, d), dk=torch.zeros(1, chunk, hk, d),
+                 dv=torch.zeros(1, chunk, hk, d))
+        ranks.append(t)
+    return ranks
+
+
+def test_ring_tasks_copy_only_rows_the_op_cannot_view(monkeypatch):
+    """Every task of a 2-rank ring over a packed row, run with its tensors as the ring holds them (a rank's
+    own rows and keys views of its chunk, another rank's rows and keys received as they are, a stand-in
+    output for them): the forward never copies the rows it feeds; the backward copies a side's rows only
+    where the storage holding them ends before the op's bucketed row count (never a rank's own chunk
+    against its own keys), and allocates no float32 rows unless a task takes several op calls."""
+    emu = install(monkeypatch.setattr)
+    kernel = cudnn_fe.CudnnFeKernel()
+    world, chunk, dims = 3, 3072, (4, 2, 16)  # a rank's chunk: a multiple of 1024, not a power of two
+    gen = torch.Generator().manual_seed(11)
+    docs = random_docs(gen, 1, world * chunk, min_len=100, max_len=1500)
+    seg = Segments(world * chunk, docs)
+    ranks = _ring_tensors(world, chunk, dims, gen)
+    copies, avoidable, tasks, whole_chunks = 0, [], 0, 0
+    for step in build_segment_schedule(world, seg, True).steps:
+        for rank, task in enumerate(step):
+            if task is None:
+                continue
+            own_q, own_kv = task.q_owner == rank, task.kv_owner == rank
+            mine, theirs = ranks[task.q_owner], ranks[task.kv_owner]
+            rows = slice(task.row_start, task.row_stop)
+            keys = slice(*task.keys(chunk))
+
+            def held(t, own):  # a view of the owner's chunk, or a received copy
+                return t if own else t.clone()
+
+            q_in, dout_in, out_in = (held(mine[x][:, rows], own_q) for x in ("q", "dout", "out"))
+            lse_in = held(mine["lse"][:, :, rows], own_q)
+            k_in, v_in = (held(theirs[x][:, keys], own_kv) for x in ("k", "v"))
+            blocks = task_doc_blocks(seg, task, chunk, True, "cpu")
+            emu.calls.clear()
+            with NewTensors() as recorder:
+                kernel.forward(q_in, k_in, v_in, scale=0.25, mask=AttentionMask(doc_blocks=blocks),
+                               out=mine["run_out"][:, rows] if own_q else None,
+                               lse=mine["run_lse"][:, :, rows] if own_q else None)
+                forward_rows = recorder.rows(dims)
+                kernel.backward(dout_in, q_in, k_in, v_in, out_in, lse_in, scale=0.25,
+                                mask=AttentionMask(doc_blocks=blocks),
+                                dq=mine["dq"][:, rows] if own_q else None,
+                                dk=theirs["dk"][:, keys] if own_kv else None,
+                                dv=theirs["dv"][:, keys] if own_kv else None)
+            tasks += 1
+            calls = aligned_calls(fed_blocks(blocks))
+            assert not [n for n in forward_rows if n[2] == torch.float32]  # nothing float32 in forward
+            for call, record in zip(calls, [c for c in emu.calls if c["op"] == "forward"]):
+                assert isinstance(call.q_rows, slice) and isinstance(call.k_rows, slice)
+                assert record["storages"] == tuple(map(_storage, (q_in, k_in, v_in)))  # views, not copies
+            parts = [backward_plan(c, True) for c in calls]
+            records = [c for c in emu.calls if c["op"] == "backward"]
+            assert len(records) == len(parts)
+            for (call, _), record in zip(parts, records):
+                for side_rows, count, tensors in ((call.q_rows, record["rows"], (dout_in, q_in, out_in)),
+                                                  (call.k_rows, record["keys"], (k_in, v_in))):
+                    for t in tensors:
+                        room = (t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()) \
+                            // t[0, 0].numel()
+                        viewable = isinstance(side_rows, slice) and side_rows.start + count <= room
+                        viewed = _storage(t) in record["storages"]
+                        copies += not viewed
+                        if viewable and not viewed:
+                            avoidable.append((task, count, room))
+                        if own_q and own_kv and rows == slice(0, chunk) and keys == slice(0, chunk):
+                            whole_chunks += 1
+                            assert viewed, (task, count)  # a rank's own chunk against its own keys
+            in_parts = len(parts) > 1 or any(pairs is not None for _, pairs in parts)
+            float32_rows = recorder.rows(dims, torch.float32)
+            assert in_parts or not float32_rows, (task, float32_rows)
+    assert tasks > world and whole_chunks >= 5 * world and not avoidable, (tasks, whole_chunks, avoidable)
+    assert 0 < copies <= 5 * (tasks - world)  # only the tasks across chunks copy (keys ending a chunk)
+
+
+def test_one_rank_refuses_a_gradient_through_the_lse_by_name(monkeypatch):
+    """Asked for by name, a backend whose backward takes the output rows serves a call returning the lse;
+    a gradient that reaches that lse is refused in one line naming the backends that take it."""
+    import lightseq_hf
+
+    install(monkeypatch.setattr)
+    q, k, v = (torch.randn(1, 64, 2, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out, lse = lightseq_hf.dist_flash_attn(q, k, v, cu_seqlens=[0, 20, 64], backend="cudnn_fe",
+                                           return_lse=True)
+    out.sum().backward(retain_graph=True)  # the output alone: served
+    assert q.grad is not None
+    with pytest.raises(ValueError, match=r"^backend 'cudnn_fe' cannot back-propagate through the returned "
+                                         r"lse; use backend='triton' or 'reference'"):
+        (out.sum() + lse.sum()).backward()

@@ -431,18 +431,19 @@ def test_head_chunked_backward_on_one_process(monkeypatch):
     from tiny_models import make_batch, make_model
 
     import lightseq_hf
+    from lightseq_hf.kernels import ReferenceKernel
     from lightseq_hf.parallel import ops
 
     ids, _ = make_batch(1, 31, seed=5)
     loss0, grads0, _ = _step(lightseq_hf.patch_model(make_model("llama")), ids)
     heads = []
-    schedule_backward = ops.dist_attn_backward
+    kernel_backward = ReferenceKernel.backward  # the kernel one process's backward calls directly
 
-    def recording_backward(dout, q, *args, **kwargs):
+    def recording_backward(self, dout, q, *args, **kwargs):
         heads.append(q.shape[2])
-        return schedule_backward(dout, q, *args, **kwargs)
+        return kernel_backward(self, dout, q, *args, **kwargs)
 
-    monkeypatch.setattr(ops, "dist_attn_backward", recording_backward)
+    monkeypatch.setattr(ReferenceKernel, "backward", recording_backward)
     monkeypatch.setattr(ops, "BACKWARD_CHUNK_BYTES", 1)
     loss1, grads1, _ = _step(lightseq_hf.patch_model(make_model("llama")), ids)
     assert heads == [2] * 4  # 2 layers x 2 key/value head groups of 2 query heads

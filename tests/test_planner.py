@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -373,3 +374,90 @@ def test_choose_offload_under_budgets(capsys):
     argv = [str(config), "training.offload_checkpoints={layers: 2, recompute: 1}", "--plan", "--world", "2"]
     assert main(argv) == 0
     assert "offloaded checkpoints" in capsys.readouterr().out
+
+
+def test_the_planner_reads_each_backends_declared_backward_memory():
+    """Every registered backend declares what its backward allocates, and the planner counts exactly that:
+    a backend registered from outside gets its own terms, one that declares nothing is refused."""
+    from lightseq_hf.kernels import (
+        REGISTRY,
+        BackwardMemory,
+        Capabilities,
+        KernelBase,
+        Workspace,
+        backward_memory,
+        register_backend,
+        unregister_backend,
+    )
+    from lightseq_hf.planner import ModelShape, PlanOptions, plan_memory
+    from lightseq_hf.step_bytes import Dims, attention_backward
+
+    shape = ModelShape(4096, 14336, 32, 32, 8, 128, 128256)  # Llama-3-8B: GQA
+    d = Dims.of(shape, "bfloat16")
+    for name in REGISTRY:
+        assert backward_memory(name).label
+        plan_memory(shape, PlanOptions(context=65536, sp_size=2, world=2, attention_kernel=name))
+    ring = {name: attention_backward(d, 32768, sp_size=2, chunks=1, kernel=name, batch=1)
+            for name in REGISTRY}
+    gqa = 2 * 4096 * 4
+    assert ring["sdpa_cudnn"]["SDPA kernel: GQA backward workspace (float32)"].per_token == gqa
+    assert ring["cudnn_fe"]["cudnn_fe kernel: GQA backward workspace (float32)"].per_token == gqa
+    padded = "cudnn_fe kernel: keys and values padded to a graph shape"
+    assert ring["cudnn_fe"][padded].per_token == 4 * 1024 * 2
+    assert ring["flash_varlen"]["flash_varlen kernel: the op's float32 dq accumulator"].per_token == 4096 * 4
+    partials = "ring buffers (remote keys/values, dk/dv partials)"
+    assert ring["sdpa_cudnn"][partials].per_token == 4 * 1024 * 2  # partials in the compute dtype
+    assert ring["triton"][partials].per_token == 4 * 1024 * 2 + 2 * 1024 * 4
+    one = attention_backward(d, 65536, sp_size=1, chunks=1, kernel="cudnn_fe", batch=1)
+    assert padded not in one  # no ring task on one GPU
+
+    class Scratch(KernelBase):
+        name = "scratch"
+        capabilities = Capabilities(devices=None, dtypes=frozenset({torch.float64}), backward_memory=(
+            BackwardMemory("scratch kernel", workspace=(
+                Workspace("three key-sized buffers", "kv", "float32", 3),
+                Workspace("a query copy under GQA", "q", when="gqa")))))
+
+    class Undeclared(Scratch):
+        name = "undeclared"
+        capabilities = replace(Scratch.capabilities, backward_memory=None)
+
+    register_backend("scratch", Scratch)
+    register_backend("undeclared", Undeclared)
+    try:
+        terms = attention_backward(d, 4096, sp_size=1, chunks=2, kernel="scratch", batch=1)
+        # per head group of two
+        assert terms["scratch kernel: three key-sized buffers"].per_token == 3 * 1024 * 4 / 2
+        assert terms["scratch kernel: a query copy under GQA"].per_token == 4096 * 2 / 2
+        with pytest.raises(ValueError, match="backend 'undeclared' declares no backward_memory"):
+            plan_memory(shape, PlanOptions(context=4096, attention_kernel="undeclared"))
+    finally:
+        unregister_backend("scratch")
+        unregister_backend("undeclared")
+
+
+def test_a_config_plans_the_backend_it_runs(monkeypatch, tmp_path):
+    """``training.backend`` is planned as named; ``auto`` as the backend auto takes for the run's mask: the
+    reference kernel on the CPU, and where no GPU is visible the vendor kernel of the mask."""
+    from lightseq_hf.kernels import DeviceClass
+    from lightseq_hf.training import planning
+    from lightseq_hf.training.config import load_config
+
+    config = ROOT / "configs/llama2-7b-64k.yaml"
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "a document"}\n')
+
+    def planned(*overrides):
+        return planning.plan_inputs(load_config(config, list(overrides)), 2, "fsdp")[1].attention_kernel
+
+    assert planned("training.backend=triton") == "triton"
+    assert planned("training.backend=cudnn_fe") == "cudnn_fe"
+    assert planned("training.device=cpu") == "reference"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert planned() == "sdpa_cudnn"  # synthetic rows: one causal sequence each
+    import lightseq_hf.kernels as kernels
+
+    for packages, backend in (((), "flash_varlen"), (("nvidia-cudnn-frontend",), "cudnn_fe")):
+        monkeypatch.setattr(kernels, "device_class",
+                            lambda device, p=packages: DeviceClass("cuda", packages=frozenset(p)))
+        assert planned("data.type=files", f"data.paths=[{docs}]", "tokenizer=bytes") == backend

@@ -48,6 +48,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from .row_stats import ROW_PASS, attention_delta, stand_in_output  # noqa: F401 (re-exported)
+from .working_memory import BackwardMemory
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]
 Rows = torch.Tensor | slice
@@ -221,7 +222,8 @@ class Capabilities:
     ``supports_softcap``: logit soft-capping. ``supports_value_head_dim``: ``v`` may have another head
     dim than ``q``/``k``. ``merges_in_kernel``: accumulate mode updates the running (out, lse) inside the
     kernel (no separate merge pass). ``needs_out_in_backward``: backward takes the output rows, not
-    ``delta``, so no gradient flows through the returned lse.
+    ``delta``, so no gradient flows through the returned lse. ``backward_memory``: what its backward
+    allocates (:mod:`.working_memory`; the memory planner reads it and refuses a backend without it).
     """
 
     devices: frozenset[str] | None
@@ -236,6 +238,7 @@ class Capabilities:
     supports_value_head_dim: bool = False
     merges_in_kernel: bool = False
     needs_out_in_backward: bool = False
+    backward_memory: BackwardMemory | None = field(default=None, compare=False)
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:

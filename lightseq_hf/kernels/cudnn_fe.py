@@ -11,6 +11,10 @@ float32, natural log), merged into the running out/lse; the backward takes the r
 (the lse padded to ``(sequences, heads, max_seqlen)``, the layout the op's packed backward reads), so the
 gradients of all calls add up to the full gradient. Without ``doc_blocks`` every batch row is one block.
 
+A call that is one op call over every row (a whole packed row on one rank) reads the caller's tensors and
+returns the op's own output and gradients: no gather, merge or float32 copy. Otherwise the op reads views
+wherever the rows are one run, and gradients not added into given buffers come back in the input dtype.
+
 What the op is asked for is planned once per layout (:mod:`.cudnn_fe_layout`): rows that see no key are
 not fed; on cuDNN before 9.26 the backward asks for no key length that is 64 mod 128 (NaN dQ on Hopper:
 such a block's first key is computed here, :func:`_key_pairs_backward`); each
@@ -38,6 +42,7 @@ from .cudnn_fe_layout import (
     KeyPairs,
     aligned_calls,
     backward_plan,
+    backward_tokens,
     fed_blocks,
     key_length_hazard,
     needs_bottom_right,
@@ -53,8 +58,11 @@ from .packed_rows import (
     in_accumulate_dtype,
     merge_rows,
     running_buffers,
+    storage_rows,
+    whole,
     whole_rows,
 )
+from .working_memory import BackwardMemory, Workspace
 
 __all__ = ["CudnnFeKernel", "OpSet", "ZERO_GRADIENT_VERSIONS", "graph_stats", "load_ops", "ops",
            "unavailable_reason"]
@@ -144,8 +152,9 @@ def _static(kind: str, call: DocBlocks, q, k, v, scale: float, deterministic: bo
 
 
 def _op_forward(call: DocBlocks, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (total_q, heads, dim), lse (heads, total_q))`` of the call's fed rows."""
-    shape = _shapes.choose(_static("forward", call, q, k, v, scale), GraphShape.bucketed(call, False))
+    """``(out (total_q, heads, dim), lse (heads, total_q))`` of the call's fed rows (views of what the op
+    returned)."""
+    shape = _shapes.choose(_static("forward", call, q, k, v, scale), GraphShape.bucketed(call))
     cu_q, cu_k = padded_cu_seqlens(call, shape.docs)
     qg, kg, vg = gather_rows(q, call.q_rows), gather_rows(k, call.k_rows), gather_rows(v, call.k_rows)
     o, stats = ops().forward(qg, kg, vg, scale, is_causal=call.causal,
@@ -166,25 +175,36 @@ def _padded_lse(rows_lse: torch.Tensor, call: DocBlocks, shape: GraphShape) -> t
     return padded
 
 
-def _op_backward(call: DocBlocks, dout, q, k, v, out, lse, scale: float, grads) -> None:
-    """Add the call's gradients into ``grads`` (float32 ``(dq, dk, dv)`` of the whole local call)."""
+def _op_backward(call: DocBlocks, dout, q, k, v, out, lse, scale: float) -> tuple[torch.Tensor, ...]:
+    """``(dq (total_q, heads, dim), dk, dv (total_k, kv_heads, dim))`` of the call's fed rows and keys, in
+    the input dtype (views of what the op returned). The op reads views of ``q``/``out``/``dout`` and
+    ``k``/``v`` where their rows allow (:func:`~.cudnn_fe_layout.backward_tokens`)."""
     deterministic = torch.are_deterministic_algorithms_enabled()
+    q_room = min(storage_rows(x) for x in (q, out, dout))
+    q_tokens, q_span = backward_tokens(call.q_rows, call.total_q, q.shape[0] * q.shape[1], q_room)
+    k_room = min(storage_rows(k), storage_rows(v))
+    k_tokens, k_span = backward_tokens(call.k_rows, call.total_k, k.shape[0] * k.shape[1], k_room)
     shape = _shapes.choose(_static("backward", call, q, k, v, scale, deterministic),
-                           GraphShape.bucketed(call, True))
+                           GraphShape.bucketed(call, (q_tokens, k_tokens)), (q_span, k_span))
     cu_q, cu_k = padded_cu_seqlens(call, shape.docs)
-    t = shape.tokens
-    qg, og, dog = (gather_rows(x.to(q.dtype), call.q_rows, t) for x in (q, out, dout))
-    kg, vg = gather_rows(k, call.k_rows, t), gather_rows(v, call.k_rows, t)
-    rows = RowMap(call.q_rows, q.shape[0], q.shape[1], q.device)
-    op_lse = _padded_lse(rows.take_lse(lse), call, shape)
+    qg, og, dog = (gather_rows(x.to(q.dtype), call.q_rows, shape.q_tokens) for x in (q, out, dout))
+    kg, vg = (gather_rows(x, call.k_rows, shape.k_tokens) for x in (k, v))
+    op_lse = _padded_lse(RowMap(call.q_rows, q.shape[0], q.shape[1], q.device).take_lse(lse), call, shape)
     gq, gk, gv = ops().backward(dog, qg, kg, vg, og, op_lse, scale, is_causal=call.causal,
                                 causal_bottom_right=needs_bottom_right(call), cu_seqlens_q=cu_q,
                                 cu_seqlens_kv=cu_k, max_seqlen_q=shape.max_len, max_seqlen_kv=shape.max_len,
                                 is_deterministic=deterministic)
-    rows.put(grads[0], gq[:call.total_q], accumulate=True)  # adds the op's bf16 into float32 in one pass
+    return gq[:call.total_q], gk[:call.total_k], gv[:call.total_k]
+
+
+def _add_rows(call: DocBlocks, q, k, grads, parts) -> None:
+    """Add one call's ``(dq, dk, dv)`` rows (:func:`_op_backward`) into the local call's ``grads`` (a
+    float32 target takes the op's bf16 in one pass)."""
+    rows = RowMap(call.q_rows, q.shape[0], q.shape[1], q.device)
+    rows.put(grads[0], parts[0], accumulate=True)
     key_rows = RowMap(call.k_rows, k.shape[0], k.shape[1], q.device)
-    key_rows.put(grads[1], gk[:call.total_k], accumulate=True)
-    key_rows.put(grads[2], gv[:call.total_k], accumulate=True)
+    key_rows.put(grads[1], parts[1], accumulate=True)
+    key_rows.put(grads[2], parts[2], accumulate=True)
 
 
 def _key_pairs_backward(pairs: KeyPairs, dout, q, k, v, out, lse, scale: float, grads) -> None:
@@ -219,6 +239,16 @@ class CudnnFeKernel(KernelBase):
         max_head_dim=128,
         supports_doc_blocks=True,
         needs_out_in_backward=True,
+        # the op's dq/dk/dv, returned in the input dtype (float32 sums where a call takes several op calls:
+        # rows starting inside their documents, the key-length parts); under GQA the workspace of cuDNN's
+        # backward as measured through torch's cuDNN attention (the SDPA kernel's; not measured through
+        # this op); in a ring task, keys and values copied into the op's bucketed graph shape (up to twice
+        # their rows) where their tensor's storage has no room past them
+        backward_memory=BackwardMemory("cudnn_fe kernel", partials="input", workspace=(
+            Workspace("dq/dk/dv from the op (compute dtype)", "qkv"),
+            Workspace("float32 sums of a call taken in parts", "qkv", "float32"),
+            Workspace("GQA backward workspace (float32)", "q", "float32", 2, "gqa"),
+            Workspace("keys and values padded to a graph shape", "kv", "input", 4, "ring"))),
     )
 
     def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
@@ -232,24 +262,39 @@ class CudnnFeKernel(KernelBase):
 
     def _forward(self, q, k, v, mask, *, scale, out, lse):
         """``(out, lse)`` of ``q`` against ``k``/``v`` over the blocks; with ``out``/``lse`` given, merges
-        the fed rows into them (other rows untouched)."""
+        the fed rows into them (other rows untouched). One op call over every row of ``q`` returns the op's
+        own output (no copy, no merge)."""
         blocks = self._fed(q, k, mask)
+        calls = aligned_calls(blocks) if blocks.num_blocks else ()
+        if out is None and lse is None and len(calls) == 1 and whole(calls[0].q_rows, q):
+            o, rows_lse = _op_forward(calls[0], q, k, v, scale)
+            b, lq, h = q.shape[:3]
+            return o.view(b, lq, h, v.shape[-1]), rows_lse.reshape(h, b, lq).transpose(0, 1).contiguous()
         out, lse, accumulate = running_buffers(q, v, out, lse)
-        for i, call in enumerate(aligned_calls(blocks) if blocks.num_blocks else ()):
+        for i, call in enumerate(calls):
             o, rows_lse = _op_forward(call, q, k, v, scale)
             merge_rows(RowMap(call.q_rows, q.shape[0], q.shape[1], q.device), out, lse, o, rows_lse,
                        accumulate or i > 0)
         return out, lse
 
     def _backward(self, dout, q, k, v, out, lse, mask, *, scale, delta, dq, dk, dv):
-        """float32 ``(dq, dk, dv)`` of this call (added into ``dq``/``dk``/``dv`` when given). ``out`` and
-        ``lse`` are the query rows' global results; ``delta`` is not taken (the op recomputes it)."""
+        """``(dq, dk, dv)`` of this call, added into ``dq``/``dk``/``dv`` when given; the others are returned
+        in the input dtype (summed in float32 when the call takes several op calls). ``out`` and ``lse`` are
+        the query rows' global results; ``delta`` is not taken (the op recomputes it). One op call over
+        every row and key returns the op's own gradients."""
         check_backward_rows(self.name, dout, q, out)
         blocks = self._fed(q, k, mask)
-        grads = gradient_buffers(q, k, v, dq, dk, dv)
-        for aligned in aligned_calls(blocks) if blocks.num_blocks else ():
-            call, pairs = backward_plan(aligned, key_length_hazard(ops().cudnn_version))
-            _op_backward(call, dout, q, k, v, out, lse, scale, grads)
+        hazard = key_length_hazard(ops().cudnn_version)
+        plans = [backward_plan(c, hazard) for c in aligned_calls(blocks)] if blocks.num_blocks else []
+        one_call = len(plans) == 1 and plans[0][1] is None
+        given = dq is not None or dk is not None or dv is not None
+        if one_call and not given and whole(plans[0][0].q_rows, q) and whole(plans[0][0].k_rows, k):
+            gq, gk, gv = _op_backward(plans[0][0], dout, q, k, v, out, lse, scale)
+            return gq.view(q.shape), gk.view(k.shape), gv.view(v.shape)
+        grads = gradient_buffers(q, k, v, dq, dk, dv, q.dtype if one_call else None)
+        for call, pairs in plans:
+            _add_rows(call, q, k, grads, _op_backward(call, dout, q, k, v, out, lse, scale))
             if pairs is not None:
                 _key_pairs_backward(pairs, dout, q, k, v, out, lse, scale, grads)
-        return grads
+        return tuple(g if given is not None else g.to(x.dtype)
+                     for g, given, x in zip(grads, (dq, dk, dv), (q, k, v)))

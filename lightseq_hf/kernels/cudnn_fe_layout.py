@@ -16,11 +16,16 @@ once per layout (a :class:`DocBlocks`), and the graph shapes the op is asked for
   rows with that first key, which every row sees, are returned as :class:`KeyPairs` for the caller to
   compute directly. Both use the rows' global lse, so the two add up to the block's gradients exactly, in
   one op call of the same shape as the forward's.
-- :class:`GraphShapes`: the op builds one cuDNN graph per (documents, longest sequences, token totals
-  rounded to 64, ...) and keeps 128 of them; a build takes 0.1 s. A changing packed stream would build
-  on every step, so each call asks for a bucketed shape (documents, longest sequence and, in backward,
-  token totals each rounded up to a power of two, query and key sides alike, the documents padded with
-  empty ones) or reuses a larger shape already built when that wastes little.
+- :class:`GraphShapes`: the op builds one cuDNN graph per (documents, longest sequences, and in backward
+  the rows of its query-side and key-side tensors rounded to 64, ...) and keeps 128 of them; a build
+  takes 0.1 s. A changing packed stream would build on every step, so each call asks for a bucketed shape
+  (documents and longest sequence rounded up to a power of two, the documents padded with empty ones) or
+  reuses a larger shape already built when that wastes little. The backward's tensors need no copy to
+  get there (:func:`backward_tokens`): where the storage of the tensor holding a side's rows continues for
+  the bucket's rows from the first fed one, the op reads a view of them (it reads no row past the last
+  sequence); where every row of a tensor is fed and its count is a run's local length, a view of the
+  tensor; only other runs are copied into a bucket-sized buffer (a ring task's keys that end its chunk,
+  rows received from another rank).
 
 Pure host code: nothing here reads device memory.
 """
@@ -35,8 +40,8 @@ import torch
 
 from .base import DocBlocks, Rows
 
-__all__ = ["GraphShape", "GraphShapes", "KeyPairs", "aligned_calls", "backward_plan", "bucket", "fed_blocks",
-           "key_length_hazard", "needs_bottom_right", "padded_cu_seqlens"]
+__all__ = ["GraphShape", "GraphShapes", "KeyPairs", "aligned_calls", "backward_plan", "backward_tokens",
+           "bucket", "fed_blocks", "key_length_hazard", "needs_bottom_right", "padded_cu_seqlens"]
 
 #: cuDNN versions (``major * 10000 + minor * 100 + patch``) whose backward can return NaN dQ for key lengths
 #: 64 mod 128 (fixed in 9.26)
@@ -44,7 +49,7 @@ NAN_DQ_FIXED = 92600
 #: smallest bucketed longest-sequence and token total (the op's tiles are 128 rows)
 MIN_LENGTH = 128
 #: a built shape serves a smaller call when its grid (documents x longest sequence) is at most this many
-#: times the call's own bucketed grid, and its token total at most this many times the call's bucketed total
+#: times the call's own bucketed grid, and (a copied side) its rows at most this many times the bucket
 REUSE_GRID = 4
 REUSE_TOKENS = 2
 #: shapes remembered per static key (the op caches 128 graphs in all)
@@ -65,25 +70,44 @@ def bucket(n: int, floor: int = 1) -> int:
 @dataclass(frozen=True)
 class GraphShape:
     """The shape of one op graph: ``docs`` sequences (``cu_seqlens`` of ``docs + 1`` entries), ``max_len``
-    the longest query and key sequence it declares, ``tokens`` the rows of the backward's packed tensors
-    (0 in forward, whose graph does not depend on them)."""
+    the longest query and key sequence it declares, ``q_tokens`` / ``k_tokens`` the rows of the
+    backward's query-side and key-side tensors (0 in forward, whose graph does not depend on them)."""
 
     docs: int
     max_len: int
-    tokens: int = 0
-
-    def covers(self, other: GraphShape) -> bool:
-        return self.docs >= other.docs and self.max_len >= other.max_len and self.tokens >= other.tokens
+    q_tokens: int = 0
+    k_tokens: int = 0
 
     @property
     def grid(self) -> int:
         return self.docs * self.max_len
 
     @classmethod
-    def bucketed(cls, blocks: DocBlocks, backward: bool) -> GraphShape:
-        """The bucketed shape of a call over ``blocks``."""
-        tokens = bucket(max(blocks.total_q, blocks.total_k), MIN_LENGTH) if backward else 0
-        return cls(bucket(blocks.num_blocks), bucket(max(blocks.max_q, blocks.max_k), MIN_LENGTH), tokens)
+    def bucketed(cls, blocks: DocBlocks, tokens: tuple[int, int] = (0, 0)) -> GraphShape:
+        """The bucketed shape of a call over ``blocks`` with backward tensors of ``tokens`` rows."""
+        return cls(bucket(blocks.num_blocks), bucket(max(blocks.max_q, blocks.max_k), MIN_LENGTH), *tokens)
+
+
+Span = tuple[int, int]  # the token counts [lo, hi] a side's tensor may have
+#: a tensor whose rows all go to the op keeps its own row count as the graph's when that count is a multiple
+#: of this (a run's local length: one graph for every call); other counts are rounded up to a bucket
+WHOLE_UNIT = 1024
+
+
+def backward_tokens(rows: Rows, total: int, tensor_rows: int, storage_rows: int) -> tuple[int, Span]:
+    """The rows of one side's backward tensor for ``total`` fed ``rows`` of a tensor of ``tensor_rows`` rows
+    followed in its storage by ``storage_rows - tensor_rows`` more, and the span of counts an already built
+    graph may have for that side (see the module docstring): the bucket where the storage reaches it from
+    the first fed row (a view; any count up to what it reaches), the tensor's own rows where they are all
+    fed and their count is a multiple of :data:`WHOLE_UNIT` (a view), else the bucket (copied; up to
+    :data:`REUSE_TOKENS` times it)."""
+    need = bucket(total, MIN_LENGTH)
+    if isinstance(rows, slice):
+        if rows.start + need <= storage_rows:
+            return need, (total, storage_rows - rows.start)
+        if rows.start == 0 and rows.stop == tensor_rows and tensor_rows % WHOLE_UNIT == 0:
+            return tensor_rows, (tensor_rows, tensor_rows)
+    return need, (need, REUSE_TOKENS * need)
 
 
 class GraphShapes:
@@ -93,14 +117,17 @@ class GraphShapes:
     def __init__(self) -> None:
         self._shapes: dict[tuple, OrderedDict[GraphShape, None]] = {}
 
-    def choose(self, static: tuple, need: GraphShape) -> GraphShape:
-        """The smallest remembered shape covering ``need`` within the reuse bounds, else ``need`` itself
-        (then remembered; the least recently chosen shape of the key is forgotten past
-        :data:`REMEMBERED`)."""
+    def choose(self, static: tuple, need: GraphShape, spans: tuple[Span, Span] | None = None) -> GraphShape:
+        """The smallest remembered shape covering ``need`` within the reuse bounds (its token counts inside
+        ``spans``; None: equal to ``need``'s), else ``need`` itself (then remembered; the least recently
+        chosen shape of the key is forgotten past :data:`REMEMBERED`)."""
         shapes = self._shapes.setdefault(static, OrderedDict())
-        fits = [s for s in shapes if s.covers(need) and s.grid <= REUSE_GRID * need.grid
-                and s.tokens <= REUSE_TOKENS * need.tokens]
-        chosen = min(fits, key=lambda s: (s.grid, s.tokens)) if fits else need
+        spans = spans or ((need.q_tokens, need.q_tokens), (need.k_tokens, need.k_tokens))
+        (q_lo, q_hi), (k_lo, k_hi) = spans
+        fits = [s for s in shapes if s.docs >= need.docs and s.max_len >= need.max_len
+                and s.grid <= REUSE_GRID * need.grid and q_lo <= s.q_tokens <= q_hi
+                and k_lo <= s.k_tokens <= k_hi]
+        chosen = min(fits, key=lambda s: (s.grid, s.q_tokens + s.k_tokens)) if fits else need
         shapes[chosen] = None
         shapes.move_to_end(chosen, last=False)
         while len(shapes) > REMEMBERED:

@@ -33,6 +33,7 @@ from .packed_rows import (
     running_buffers,
     whole_rows,
 )
+from .working_memory import BackwardMemory, Workspace
 
 __all__ = ["DocBlocks", "FlashVarlenKernel", "make_doc_blocks", "usable", "whole_rows"]
 
@@ -119,7 +120,7 @@ def usable(device: torch.device) -> bool:
         try:
             lse_is_padded(device)
             _usable[key] = True
-        except (RuntimeError, NotImplementedError, AttributeError):
+        except (RuntimeError, NotImplementedError, AttributeError, AssertionError):  # CPU-only torch: asserts
             _usable[key] = False
     return _usable[key]
 
@@ -161,6 +162,12 @@ class FlashVarlenKernel(KernelBase):
         max_head_dim=256,
         supports_doc_blocks=True,
         needs_out_in_backward=True,
+        # the op's dq/dk/dv in the input dtype, added into float32 ones; inside the op, FlashAttention-2's
+        # varlen backward keeps a float32 dq accumulator and, under GQA, dk/dv per query head
+        backward_memory=BackwardMemory("flash_varlen kernel", workspace=(
+            Workspace("dq/dk/dv from the op (compute dtype)", "qkv"),
+            Workspace("the op's float32 dq accumulator", "q", "float32"),
+            Workspace("the op's dk/dv per query head under GQA (compute dtype)", "q", "input", 2, "gqa"))),
     )
 
     def unavailable(self, device: torch.device, dtype: torch.dtype | None = None) -> str | None:

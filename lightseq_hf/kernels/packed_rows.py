@@ -15,7 +15,8 @@ import torch
 from .base import DocBlocks, Rows, make_doc_blocks, merge_into
 
 __all__ = ["RowMap", "accumulate_dtype", "check_backward_rows", "check_blocks", "gather_rows",
-           "gradient_buffers", "in_accumulate_dtype", "merge_rows", "running_buffers", "whole_rows"]
+           "gradient_buffers", "in_accumulate_dtype", "merge_rows", "running_buffers", "storage_rows",
+           "whole", "whole_rows"]
 
 
 def whole_rows(batch: int, q_len: int, kv_len: int, causal: bool, device: torch.device | str) -> DocBlocks:
@@ -78,10 +79,27 @@ class RowMap:
             lse[self.batch_idx, :, self.pos_idx] = values.t().to(lse.dtype)
 
 
+def storage_rows(x: torch.Tensor) -> int:
+    """How many rows of ``x`` ``(batch, length, ...)``'s layout its storage holds from its first row (its own
+    rows, and the ones that follow it there when ``x`` is a contiguous view of a longer tensor)."""
+    rows = x.shape[0] * x.shape[1]
+    if not x.is_contiguous() or rows == 0:
+        return rows
+    row = x[0, 0].numel()
+    return max(rows, (x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()) // max(row, 1))
+
+
 def gather_rows(x: torch.Tensor, rows: Rows, capacity: int | None = None) -> torch.Tensor:
     """Rows of ``x`` ``(batch, length, H, D)`` flattened, contiguous ``(total, H, D)`` (a view when they are
-    one contiguous run); with ``capacity``, a ``(capacity, H, D)`` tensor whose first ``total`` rows are
-    those and the rest zeros."""
+    one contiguous run of a contiguous ``x``); with ``capacity``, ``capacity`` rows whose first ``total`` are
+    those: the run and the rows after it in ``x``'s storage (a view: :func:`storage_rows`) where it has them,
+    else a copy padded with zeros."""
+    if (isinstance(rows, slice) and capacity is not None and x.is_contiguous()
+            and rows.start + capacity <= storage_rows(x)):
+        row_shape = x.shape[2:]
+        step = x[0, 0].numel()
+        return x.as_strided((capacity, *row_shape), (step, *x.stride()[2:]),
+                            x.storage_offset() + rows.start * step)
     flat = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
     picked = flat[rows] if isinstance(rows, slice) else flat.index_select(0, rows)
     if capacity is None or capacity == picked.shape[0]:
@@ -91,6 +109,11 @@ def gather_rows(x: torch.Tensor, rows: Rows, capacity: int | None = None) -> tor
     buf[:total].copy_(picked)
     buf[total:].zero_()
     return buf
+
+
+def whole(rows: Rows, x: torch.Tensor) -> bool:
+    """Whether ``rows`` are every row of ``x`` ``(batch, length, ...)``, in order."""
+    return isinstance(rows, slice) and rows.start == 0 and rows.stop == x.shape[0] * x.shape[1]
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -149,10 +172,12 @@ def merge_rows(rows: RowMap, out: torch.Tensor, lse: torch.Tensor, part_out: tor
 
 
 def gradient_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor | None,
-                     dk: torch.Tensor | None, dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The float32 (float64) ``(dq, dk, dv)`` a backward adds into: the given ones, else zeros."""
-    acc = accumulate_dtype(q.dtype)
-    return tuple(torch.zeros(like.shape, dtype=acc, device=q.device) if given is None else given
+                     dk: torch.Tensor | None, dv: torch.Tensor | None,
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """The ``(dq, dk, dv)`` a backward adds into: the given ones, else zeros in ``dtype`` (None: float32,
+    float64 for float64 inputs)."""
+    dtype = dtype or accumulate_dtype(q.dtype)
+    return tuple(torch.zeros(like.shape, dtype=dtype, device=q.device) if given is None else given
                  for given, like in ((dq, q), (dk, k), (dv, v)))
 
 

@@ -24,6 +24,7 @@ from .base import (
     check_key_range,
     merge_into,
 )
+from .working_memory import BackwardMemory, Workspace
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -103,6 +104,10 @@ class ReferenceKernel(KernelBase):
         supports_window=True,
         supports_softcap=True,
         supports_value_head_dim=True,
+        # its float32 dq/dk/dv and one block pair's scores, probabilities and gradients with the
+        # temporaries between them (7 of them at once, measured on the CPU: tests/test_planner.py)
+        backward_memory=BackwardMemory("reference kernel", workspace=(
+            Workspace("accumulators, one block pair", "qkv", "float32", tiles=7, tile=512),)),
     )
 
     def __init__(self, block_q: int = 512, block_k: int = 512) -> None:

@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from .base import Capabilities, KernelBase, merge_into
+from .working_memory import BackwardMemory, Workspace
 
 FLAVORS = ("cudnn", "flash")
 
@@ -60,6 +61,14 @@ class SdpaKernel(KernelBase):
         head_dim_multiple=8,
         max_head_dim=256,
         needs_out_in_backward=True,
+        # dq/dk/dv in the input dtype (GQA key/value heads read in place, so dk/dv are the key/value
+        # heads' size); under GQA two float32 query-sized tensors (each query head's dk/dv before the sum
+        # over its group), fitted to the measured peaks of
+        # benchmarks/results/bytes-per-token-h100-x1-2026-11-26-8b*.json (without GQA none: the committed
+        # 7B peaks leave no room for one)
+        backward_memory=BackwardMemory("SDPA kernel", partials="input", workspace=(
+            Workspace("dq/dk/dv (compute dtype)", "qkv"),
+            Workspace("GQA backward workspace (float32)", "q", "float32", 2, "gqa"))),
     )
 
     def __init__(self, flavor: str = "cudnn") -> None:

@@ -18,6 +18,7 @@ from .base import Capabilities, KernelBase, check_key_range
 from .triton_bwd import _attn_bwd_dkdv, _attn_bwd_dq, _delta_kernel
 from .triton_common import LOG2E, bucket, interpreting
 from .triton_fwd import _attn_fwd
+from .working_memory import BackwardMemory
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,6 +113,8 @@ class TritonKernel(KernelBase):
         supports_key_range=True,
         supports_window=True,
         merges_in_kernel=True,  # accumulate mode updates a float32 running (out, lse) inside the kernel
+        # writes float32 dq/dk/dv into the loop's accumulators (its own, returned, in a ring helper's task)
+        backward_memory=BackwardMemory("Triton kernel"),
     )
 
     def __init__(self, dkdv_split: int | None = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import AttentionKernel, kernel_named
+from ..kernels import AttentionKernel, attention_delta, kernel_named
 from .comm import PeerComm
 from .dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward
 from .doc_blocks import task_doc_blocks
@@ -183,10 +183,17 @@ def dist_attn_bwd(
                                                        (causal, segments, window, softcap))
 
     def backward(dout, q, k, v, out, lse, dlse):
+        if world == 1:
+            return _one_rank_backward(kernel, dout, q, k, v, out, lse, dlse, scale,
+                                      masks.for_task(_whole(q, causal), q.shape[1]))
         return dist_attn_backward(dout, q, k, v, out, lse, dlse=dlse, scale=scale, schedule=plan, rank=rank,
                                   comm=comm, kernel=kernel, masks=masks)
 
-    chunks = backward_chunks(q.numel(), k.shape[2])
+    # head groups bound the float32 gradients: the loop's accumulators, or on one rank those of a kernel
+    # that returns float32 gradients (one whose backward returns the input dtype has none)
+    returns_input_dtype = (kernel.capabilities.backward_memory is not None
+                           and kernel.capabilities.backward_memory.partials == "input")
+    chunks = 1 if world == 1 and returns_input_dtype else backward_chunks(q.numel(), k.shape[2])
     if chunks == 1:
         return backward(dout, q, k, v, out, lse, dlse)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -199,6 +206,21 @@ def dist_attn_bwd(
         for full, piece, heads in zip(grads, part, (qh, kvh, kvh)):
             full[:, :, heads] = piece
     return grads
+
+
+def _one_rank_backward(kernel: AttentionKernel, dout, q, k, v, out, lse, dlse, scale: float,
+                       mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A group of one: the kernel's own backward over every row and key (no accumulators), the gradients in
+    the input dtype. A gradient ``dlse`` of the lse folds into delta, as in :func:`dist_attn_backward`."""
+    delta = None
+    if dlse is not None:
+        if kernel.capabilities.needs_out_in_backward:
+            raise ValueError(f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
+                             "backend='triton' or 'reference', or do not use the lse in the loss.")
+        delta = attention_delta(dout, out)
+        delta = delta - dlse.to(delta.dtype)
+    grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, mask=mask, delta=delta)
+    return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 @dist_attn_bwd.register_fake

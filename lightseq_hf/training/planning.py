@@ -24,6 +24,7 @@ def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
                               "architecture from it)")
         entries.update(json.loads(config_file.read_text()))
     entries.update(cfg.model.config or {})
+    shape = ModelShape.from_config(entries)
     t = cfg.training
     compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision or "", cfg.model.dtype)
     opts = PlanOptions(context=cfg.context_length, sp_size=sp, world=world, batch=t.batch_size,
@@ -31,8 +32,34 @@ def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
                        compute_dtype=compute, checkpointing=t.checkpointing,
                        offload_checkpoints=offload_value(t.offload_checkpoints), tiled_mlp=t.tiled_mlp,
                        cpu_offload=t.cpu_offload,
-                       attention_kernel=t.backend if t.backend in ("reference", "triton") else "sdpa")
-    return ModelShape.from_config(entries), opts
+                       attention_kernel=planned_backend(cfg, shape.head_dim, compute))
+    return shape, opts
+
+
+def planned_backend(cfg: Any, head_dim: int, compute_dtype: str) -> str:
+    """The backend whose declared backward memory the plan counts: ``training.backend``; for ``auto``, the
+    one ``auto`` picks for the run's attention (packed documents or one causal sequence per row) on this
+    machine's GPU, or, planned where no GPU is visible, the vendor kernel of the mask (cuDNN attention;
+    for packed documents cuDNN's variable-length op when nvidia-cudnn-frontend is installed, else
+    FlashAttention-2's); the reference kernel for runs on the CPU."""
+    import torch
+
+    from ..kernels import KernelRequest, MaskKind, device_class, select_backend
+
+    backend = cfg.training.backend
+    if backend != "auto":
+        return backend
+    if cfg.training.device == "cpu":
+        return "reference"
+    packed = cfg.data.type != "synthetic" and cfg.data.packing == "documents"
+    if not torch.cuda.is_available():
+        if not packed:
+            return "sdpa_cudnn"
+        return "cudnn_fe" if "nvidia-cudnn-frontend" in device_class(torch.device("cuda")).packages \
+            else "flash_varlen"
+    request = KernelRequest(torch.device("cuda"), getattr(torch, compute_dtype), head_dim, head_dim,
+                            MaskKind.DOCUMENTS if packed else MaskKind.CAUSAL)
+    return select_backend("auto", request)
 
 
 def offload_value(value: Any) -> Any:

@@ -78,6 +78,19 @@ def check_dist_attn(result: dict, out: Path) -> None:
     assert len(list(out.glob("trace-dist-8k-sdpa_cudnn-balanced-rank*.json.gz"))) == 2
 
 
+def check_bytes_per_token(result: dict, out: Path) -> None:
+    rows = result["rows"]
+    assert [r["tokens_per_rank"] for r in rows] == [2048, 4096] and result["world"] == 1
+    for row in rows:
+        assert math.isfinite(row["loss"]) and {"forward", "backward"} <= set(row["phases"]), row["phases"]
+        assert row["phases"]["backward"]["peak"] > 0 and row["outside_allocator"] >= 0
+    summary = result["summary"]
+    planned, measured = summary["planned"], summary["measured"]
+    assert finite(planned["forward"]) and finite(planned["backward"]) and planned["terms_per_token"]
+    assert all(math.isfinite(measured[phase]) for phase in ("forward", "backward", "host"))
+    assert summary["device_bytes_per_token"] == measured["backward"] and result["backend"] == "sdpa_cudnn"
+
+
 def check_kernels(result: dict, out: Path) -> None:
     assert [r["causal"] for r in result["rows"]] == [True, False]
     for row in result["rows"]:
@@ -85,6 +98,8 @@ def check_kernels(result: dict, out: Path) -> None:
         for mode in ("fwd", "fwd_bwd"):
             assert finite(row[mode]["ours"]["ms"]) and finite(row[mode]["flash"]["ms"])
             assert finite(row[mode]["floor_ms_matmul"])
+            assert finite(row[mode]["auto"]["ms"]) and finite(row[mode]["auto_vs_fastest"])
+        assert row["auto_backend"] in ("sdpa_cudnn", "sdpa_flash", "triton")
     assert finite(result["ceilings"]["matmul_bf16_8192_tflops"])
     assert {r["kernel"] for r in result["resources"]} == {"fwd", "dkdv", "dq"}
     assert list(out.glob("kernels-*.png"))
@@ -102,6 +117,9 @@ def check_packed_kernels(result: dict, out: Path) -> None:
     assert finite(row["fwd_bwd"]["triton"]["ms"]) and row["rel_err"]
     assert finite(row["dense_cudnn"]["ms"]) and "gpu_ms" in row["dense_cudnn"]  # None without a profiler
     assert row["best_packed"] in row["fwd_bwd"] and finite(row["packed_vs_dense_per_flop"])
+    assert row["auto_backend"] and finite(row["auto_vs_fastest"])
+    if "cudnn_fe" in row["fwd_bwd"]:  # nvidia-cudnn-frontend installed: the direct op call beside it
+        assert finite(row["fwd_bwd"]["op"]["ms"]) and finite(row["cudnn_fe_vs_op"])
     for record in result["stream"]:  # cudnn_fe and triton over 3 changing layouts, whole rows and 2 ranks
         assert "skipped" in record or (record["steps"] == 3 and all(map(finite, record["step_ms"])))
     assert {r["world"] for r in result["stream"]} == {1, 2}
@@ -144,7 +162,8 @@ def check_sweep(records: list, out: Path) -> None:
     assert list(record["accs"]) == ["25"] and 0 <= record["accs"]["25"] <= 1
 
 
-CHECKS = {"bench_dist_attn.py": check_dist_attn, "bench_kernels.py": check_kernels,
+CHECKS = {"bench_dist_attn.py": check_dist_attn, "bench_bytes_per_token.py": check_bytes_per_token,
+          "bench_kernels.py": check_kernels,
           "bench_packed.py": check_packed, "bench_packed_kernels.py": check_packed_kernels,
           "bench_prefill.py": check_prefill, "bench_train.py": check_train, "replay_packed.py": check_replay,
           "check_finetune_memory.py": check_finetune_memory, "sweep_passkey.py": check_sweep}
