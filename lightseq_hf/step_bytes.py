@@ -161,7 +161,7 @@ def second_norm_backward(d: Dims, tokens: int, tile: int | None, *, tiled_norms:
 def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kernel: str,
                        batch: int) -> dict[str, Bytes]:
     """Temporaries of the distributed attention's backward: the residual's and the output's gradients;
-    the float32 dq/dk/dv accumulators; over a group, the ring's buffers (the remote key/value chunk and
+    over a group, the float32 dq/dk/dv accumulators and the ring's buffers (the remote key/value chunk and
     its prefetch, and the dk/dv partials of a kernel that returns them in float32); and what the local
     kernel's backward allocates, as backend ``kernel`` declares it
     (:attr:`~lightseq_hf.kernels.Capabilities.backward_memory`: for the SDPA kernels the dq/dk/dv they
@@ -173,8 +173,9 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
 
     memory = backward_memory(kernel)
     parts = {"residual and attention-output gradients": per_token((d.h + d.q) * d.c)}
-    grouped = {"dq/dk/dv float32 accumulators": per_token((d.q + 2 * d.kv) * 4)}
-    if sp_size > 1:
+    grouped = {}
+    if sp_size > 1:  # one rank's backward is the kernel's own (its memory declared below)
+        grouped["dq/dk/dv float32 accumulators"] = per_token((d.q + 2 * d.kv) * 4)
         grouped["ring buffers (remote keys/values, dk/dv partials)"] = per_token(
             2 * 2 * d.kv * d.c + memory.partial_bytes_per_token(d.kv))
     for name, (fixed_bytes, per) in memory.terms(q=d.q, kv=d.kv, input_bytes=d.c, heads=d.heads, batch=batch,

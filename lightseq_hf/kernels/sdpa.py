@@ -64,8 +64,9 @@ class SdpaKernel(KernelBase):
         # dq/dk/dv in the input dtype (GQA key/value heads read in place, so dk/dv are the key/value
         # heads' size); under GQA two float32 query-sized tensors (each query head's dk/dv before the sum
         # over its group), fitted to the measured peaks of
-        # benchmarks/results/bytes-per-token-h100-x1-2026-11-26-8b*.json (without GQA none: the committed
-        # 7B peaks leave no room for one)
+        # benchmarks/results/bytes-per-token-h100-x1-2026-11-26-8b*.json and within 5% of
+        # bytes-per-token-h200-x1-2026-11-28-8b-4-layers.json (without GQA none: the committed 7B peaks
+        # leave no room for one)
         backward_memory=BackwardMemory("SDPA kernel", partials="input", workspace=(
             Workspace("dq/dk/dv (compute dtype)", "qkv"),
             Workspace("GQA backward workspace (float32)", "q", "float32", 2, "gqa"))),

@@ -189,11 +189,9 @@ def dist_attn_bwd(
         return dist_attn_backward(dout, q, k, v, out, lse, dlse=dlse, scale=scale, schedule=plan, rank=rank,
                                   comm=comm, kernel=kernel, masks=masks)
 
-    # head groups bound the float32 gradients: the loop's accumulators, or on one rank those of a kernel
-    # that returns float32 gradients (one whose backward returns the input dtype has none)
-    returns_input_dtype = (kernel.capabilities.backward_memory is not None
-                           and kernel.capabilities.backward_memory.partials == "input")
-    chunks = 1 if world == 1 and returns_input_dtype else backward_chunks(q.numel(), k.shape[2])
+    # head groups bound what the backward holds at once: the ring's float32 accumulators, or on one rank
+    # the kernel's own gradients and workspace (at 64K tokens and 32 x 128 query dims, one group)
+    chunks = backward_chunks(q.numel(), k.shape[2])
     if chunks == 1:
         return backward(dout, q, k, v, out, lse, dlse)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
