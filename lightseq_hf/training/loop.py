@@ -49,6 +49,7 @@ from .failures import (
     tell_peers,
 )
 from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradient
+from .layout import DataLayout, place_resume
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
 from .planning import memory_advice
@@ -77,12 +78,13 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None, str]:
-    """Main process: the checkpoint to resume from, its step (see prepare_output_dir) and the training data's
-    fingerprint."""
+def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, dict | None, str]:
+    """Main process: the checkpoint to resume from (see prepare_output_dir), its completion record's step
+    and metadata, and the training data's fingerprint."""
     resume = prepare_output_dir(cfg)
-    step = read_completion_record(resume)["step"] if resume is not None else None
-    return resume, step, data_fingerprint(cfg)
+    record = read_completion_record(resume) if resume is not None else None
+    saved = {"step": record["step"], **record.get("meta", {})} if record is not None else None
+    return resume, saved, data_fingerprint(cfg)
 
 
 class Trainer:
@@ -125,8 +127,9 @@ class Trainer:
         cfg, t = self.cfg, self.t
         with self.progress.phase("set-up", 0):
             self.groups = init_sequence_parallel(cfg.sp_size or self.world, timeout=self.timeout)
-            self.resume, self.resume_step, self.data_fingerprint = main_decides(
+            self.resume, self.saved, self.data_fingerprint = main_decides(
                 self.accelerator, lambda: _resume_point(cfg))
+        self.resume_step = self.saved["step"] if self.saved is not None else None
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
         model = build_model_or_explain(cfg, self.device)
         self.vocab_size = model.config.vocab_size
@@ -138,6 +141,11 @@ class Trainer:
         g = self.groups
         self.sampler = ParallelSampler(len(self.dataset), g.dp_size, g.dp_rank, shuffle=True, seed=t.seed)
         self.total_steps = count_steps(cfg, len(self.dataset), g.dp_size)
+        self.layout = DataLayout(self.world, g.sp_size, g.dp_size, t.batch_size, t.grad_accum, t.seed)
+        if self.saved is not None:  # where the epoch continues under this layout (ConfigError if it cannot)
+            self.place = place_resume(self.saved, self.layout, len(self.dataset), t.max_steps, t.epochs,
+                                      self.total_steps, self.resume)
+            self.total_steps = self.place.total_steps
 
     def _prepare_training(self) -> None:
         """Optimizer and schedule, accelerate's wrapping, the resumed state, metrics and FLOP counts.
@@ -157,14 +165,18 @@ class Trainer:
                 load_resume_state(acc, self.resume)
             check_same_data(self.state.data_fingerprint, self.data_fingerprint, self.resume)
             self.state.data_fingerprint = self.data_fingerprint
-            reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume)
+            if self.state.layout is None:  # a position counted per data-parallel group of this layout
+                self.state.samples_in_epoch *= self.groups.dp_size
+            reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume, self.place.why)
             if self.is_main:
                 s = self.state
+                verified = " (checksums verified)" if cfg.saving.checksums else ""
                 logger.info(f"resumed from {self.resume}: step {s.step}, epoch {s.epoch}, {s.tokens} tokens "
-                            "trained; weights, optimizer, scheduler and RNG states loaded"
-                            + (" (checksums verified)" if cfg.saving.checksums else ""))
+                            f"trained; weights, optimizer, scheduler and RNG states loaded{verified}; "
+                            f"{self.place.note}")
         else:
             self.state.schedule_steps, self.state.data_fingerprint = self.total_steps, self.data_fingerprint
+        self.state.layout = self.layout.to_dict()
         self.writer = MetricsWriter(self.out_dir / cfg.logging.metrics_file if self.is_main else None,
                                     self.state.step if self.resume is not None else None)
         g = self.groups
@@ -262,7 +274,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.state.step = step
-        self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches)
+        self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches) * self.groups.dp_size
         self.state.tokens += self.tokens_per_step
         return StepResult(loss, grad_norm, skipped, time.perf_counter() - tic, batches)
 
