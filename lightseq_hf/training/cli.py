@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    if args.check:
+    if args.check or args.nproc:  # the launcher makes --check's checks before it starts anything
         from .preflight import preflight
 
         try:
@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
             return _fail(f"config error: {e}", EXIT_CONFIG)
         except RuntimeError as e:  # CheckpointError
             return _fail(str(e), EXIT_FAILED)
+    if args.check:
         print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
               flush=True)
         return 0

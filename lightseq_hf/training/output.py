@@ -48,16 +48,18 @@ def existing_run(out_dir: Path, metrics_file: str) -> list[Path]:
 
 
 def check_writable(out_dir: Path, dry_run: bool) -> None:
-    """ConfigError unless ``out_dir`` can be created and written (``dry_run``: creates nothing)."""
+    """ConfigError unless ``out_dir`` can be created and written (``dry_run``: a probe file is written
+    and removed in it or in its nearest existing parent; nothing stays)."""
     try:
         if dry_run:
             parent = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
-            if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
-                raise PermissionError(f"{parent} is not a writable directory")
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{parent} is not a directory")
+        else:
+            parent = out_dir
+            out_dir.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".write-test-{os.getpid()}"
+        probe.write_text("ok")  # permissions alone do not say it (root, read-only mounts, /proc)
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"output_dir: cannot write to {out_dir} ({e.strerror or e}); choose a writable "
