@@ -138,18 +138,28 @@ def _stopped(signum: signal.Signals) -> int:
     return 128 + signum
 
 
-def _process_group_failed(e: BaseException) -> str:
+def _timed_out(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _process_group_failed(e: BaseException, timeout_s: float | None) -> str:
     """What failed when the process group of the environment's WORLD_SIZE could not start."""
     names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
     shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
     reason = one_line(e).rstrip(".")
+    if timeout_s is not None and _timed_out(e):
+        return (f"the processes did not all join the process group within training.timeout_s={timeout_s:g} s "
+                f"({shown}: {reason}). Raise training.timeout_s (it bounds the start-up as well as every "
+                "collective wait), and check that every rank was started")
     return (f"could not start the process group that the environment describes ({shown}): {reason}. "
             "Start every rank (lightseq-finetune --nproc N, torchrun or accelerate launch), or unset "
             "WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run one process.")
 
 
-def _worker_failed(e: BaseException) -> int:
-    """Report a worker's failure (published for its peers first), in one line where it is understood."""
+def _worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
+    """Report a worker's failure (published for its peers first), in one line where it is understood
+    (``timeout_s``: the run's ``training.timeout_s``, named when a wait ran out)."""
     from ..guard.parity import ParityError
     from .failures import OutOfMemoryStop
     from .guards import NonFiniteError
@@ -161,10 +171,11 @@ def _worker_failed(e: BaseException) -> int:
         raise e
     started = dist.is_available() and dist.is_initialized()
     if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
-                                                   or "MASTER_ADDR" in str(e)):
-        return _fail(_process_group_failed(e), EXIT_CONFIG, every_rank=True)
+                                                   or "MASTER_ADDR" in str(e) or _timed_out(e)):
+        return _fail(_process_group_failed(e, timeout_s), EXIT_CONFIG, every_rank=True)
     if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
-        e = explain_peer_failure(e, "the run")
+        waited = f" or did not answer within training.timeout_s={timeout_s:g} s" if timeout_s else ""
+        e = explain_peer_failure(e, "the run", f"a peer rank left, froze, called another operation{waited}")
     if not isinstance(e, OutOfMemoryStop):  # that one published its line itself
         report_failure(e)
     if isinstance(e, ConfigError):
@@ -194,7 +205,7 @@ def _run_worker(cfg: FinetuneConfig) -> int:
         _stop_on_signals()
         train(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure is reported (peers read it), then mapped
-        return _worker_failed(e)
+        return _worker_failed(e, cfg.training.timeout_s)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -263,7 +274,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
 
         try:
             return launch(args.nproc, worker_module, _worker_args(argv), args.accelerate_config,
-                          grace_s=min(cfg.training.timeout_s, 10.0))
+                          grace_s=min(max(cfg.training.timeout_s, 2.0), 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
     _start_worker()
