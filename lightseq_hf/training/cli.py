@@ -277,16 +277,19 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
                           grace_s=min(max(cfg.training.timeout_s, 2.0), 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
-    _start_worker()
+    _start_worker(cfg)
     return _run_worker(cfg)
 
 
-def _start_worker() -> None:
-    """What a training process sets before its first CUDA allocation: the allocator's default."""
+def _start_worker(cfg: FinetuneConfig) -> None:
+    """What a training process sets before its first CUDA allocation: the allocator's default (said by
+    rank 0 when the run uses CUDA)."""
+    import torch
+
     from .launch import use_expandable_segments
 
     line = use_expandable_segments()
-    if _is_reporting_rank():
+    if _is_reporting_rank() and cfg.training.device != "cpu" and torch.cuda.is_available():
         logger.info(line)
 
 
