@@ -43,6 +43,15 @@ def write_training_state(accelerator: Any, directory: Path) -> None:
     accelerator.save_state(str(directory))
 
 
+def _write_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a file that could not be written: the system's error, safetensors' or torch's
+    serializer's (a full disk reads "unexpected pos" there)."""
+    if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+        return True
+    return isinstance(e, RuntimeError) and any(
+        w in str(e) for w in ("inline_container", "PytorchStreamWriter", "file write failed"))
+
+
 def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
                     state: TrainState, out_dir: Path) -> Path:
     """``checkpoint-<step>/``: save_pretrained model (+ tokenizer) and, under ``state/``, everything
@@ -50,7 +59,28 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
 
     Written under ``.checkpoint-<step>.tmp``; once every rank has finished, the main process
     records every file (size, sha256) in ``checkpoint_complete.json`` and renames the directory,
-    so a crash at any point leaves either no ``checkpoint-<step>`` or a complete one."""
+    so a crash at any point leaves either no ``checkpoint-<step>`` or a complete one. A file that cannot
+    be written (a full disk) is a CheckpointError in one line naming the directory, its free space and
+    the fix."""
+    try:
+        return _save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+    except Exception as e:
+        if not _write_failed(e):
+            raise
+        tmp = temporary_path(out_dir, state.step)
+        try:
+            free = f"{shutil.disk_usage(tmp if tmp.exists() else out_dir).free / 2**30:.1f} GiB free there"
+        except OSError:
+            free = "its free space unknown"
+        reason = " ".join(str(e).split())[:200]
+        raise CheckpointError(
+            f"writing checkpoint-{state.step} in {out_dir} failed ({type(e).__name__}: {reason}; {free}); "
+            "the checkpoints saved before are intact. Free space there, or save less (saving.every, "
+            "saving.save_optimizer=false), then resume with saving.resume_from=latest") from e
+
+
+def _save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
+                     state: TrainState, out_dir: Path) -> Path:
     step = state.step
     final, tmp = out_dir / f"checkpoint-{step}", temporary_path(out_dir, step)
     if accelerator.is_main_process:

@@ -26,6 +26,7 @@ from .config import FinetuneConfig, load_config
 from .errors import ConfigError
 from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
+from .output import release_output_dir_locks
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1
 WORKER_MODULE = "lightseq_hf.training.cli"
@@ -304,6 +305,7 @@ def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> No
     The exit handler of ``lightseq_hf.parallel.teardown`` waits for those threads; ``os._exit`` does not
     depend on it. Everything the run writes is closed before ``main`` returns."""
     code = main(argv, worker_module)
+    release_output_dir_locks()  # however the run ended
     if (_world_size() or 1) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

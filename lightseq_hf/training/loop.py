@@ -52,8 +52,9 @@ from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradie
 from .layout import DataLayout, place_resume
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
+from .output import release_output_dir_locks as release_locks
 from .planning import memory_advice
-from .saving import CheckpointError, read_completion_record
+from .saving import read_completion_record
 
 
 @dataclass
@@ -344,8 +345,8 @@ class Trainer:
         post = {"loss": f"{r.loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
         if "mfu" in rec:
             post["mfu"] = f"{rec['mfu']:.1%}"
-        if self.last_eval:
-            post["acc"] = f"{self.last_eval['accuracy']:.2f}"
+        if self.last_eval:  # the latest evaluation's accuracy, and the step it was measured at
+            post["acc"] = f"{self.last_eval['accuracy']:.2f}@step{self.last_eval['step']}"
         self.bar.set_postfix(post)
         self.bar.update(1)
         return rec
@@ -365,14 +366,8 @@ class Trainer:
     def save(self) -> Path:
         """``checkpoint-<step>/`` (see save_checkpoint); a failed write (a full disk) is a CheckpointError."""
         with self.progress.phase("checkpoint save", self.state.step):
-            try:
-                return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
-                                       self.out_dir)
-            except OSError as e:
-                raise CheckpointError(
-                    f"writing checkpoint-{self.state.step} in {self.out_dir} failed ({type(e).__name__}: "
-                    f"{e}); the checkpoints saved before are intact. Free space there, or save less "
-                    "(saving.every, saving.save_optimizer=false)") from e
+            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
+                                   self.out_dir)
 
     def _after_step(self) -> None:
         step, cfg = self.state.step, self.cfg
@@ -484,6 +479,7 @@ class Trainer:
             self.watch.stop()
         with self.progress.phase("finish", getattr(self, "state", TrainState()).step):
             self.accelerator.wait_for_everyone()
+        release_locks()
         self.accelerator.end_training()
 
 

@@ -3,6 +3,8 @@ metrics file, the summary and the loss plot. JSON written here is strict (no NaN
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import math
 import os
@@ -71,9 +73,10 @@ _held_locks: dict[Path, int] = {}
 
 
 def lock_output_dir(out_dir: Path, dry_run: bool) -> None:
-    """One run at a time in ``out_dir``: an exclusive lock on its lock file, held until this process ends
-    (the system releases it then, after a crash too). ConfigError, naming the holder, when another process
-    holds it; ``dry_run`` only tests it."""
+    """One run at a time in ``out_dir``: an exclusive lock on its lock file, held until the run ends
+    (:func:`release_output_dir_locks`, called however it ends; the system releases the lock when the
+    process dies, and a file left by a killed process locks nothing). ConfigError, naming the holder, when
+    another process holds it; ``dry_run`` only tests it."""
     try:
         import fcntl
     except ImportError:  # no advisory locks on this platform
@@ -96,7 +99,19 @@ def lock_output_dir(out_dir: Path, dry_run: bool) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, f"process {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
              .encode())
+    if not _held_locks:
+        atexit.register(release_output_dir_locks)  # an exit through the interpreter's end
     _held_locks[key] = fd
+
+
+def release_output_dir_locks() -> None:
+    """Remove the lock files this process holds, then release their locks (the end of its runs)."""
+    for key, fd in list(_held_locks.items()):
+        with contextlib.suppress(OSError):  # removed while still locked: no other run can take it between
+            os.unlink(key / LOCK_FILE)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        del _held_locks[key]
 
 
 def _find_resume(cfg: FinetuneConfig, out_dir: Path, dry_run: bool) -> Path | None:
