@@ -79,7 +79,7 @@ def test_out_of_memory_in_forward_through_the_launcher(tmp_path: Path) -> None:
     assert rc == 1, out[-4000:]
     assert "fault injection: oom at forward, rank 1, step 2" in out
     _check_one_line_per_rank(out, failed=1, phase="forward/backward", step=2)
-    assert out.count(ALLOCATOR_LINE) == 0, out[-4000:]  # a CPU run does not speak of the CUDA allocator  # the workers set it; rank 0 says so
+    assert out.count(ALLOCATOR_LINE) == 0, out[-4000:]  # a CPU run does not speak of the CUDA allocator
     assert "lightseq-finetune: rank" not in out  # the launcher had nothing to add: both reported
     assert wall < 90, wall  # start-up (~15-30 s on 2 shared cores), not training.timeout_s
 

@@ -149,6 +149,12 @@ def _process_group_failed(e: BaseException, timeout_s: float | None) -> str:
     names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
     shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
     reason = one_line(e).rstrip(".")
+    if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+        where = f"port {os.environ.get('MASTER_PORT')} of {os.environ.get('MASTER_ADDR', 'this host')}"
+        return (f"{where} is in use (another run's, or one that has not exited yet), so rank 0 could not "
+                f"host the process group there ({reason}). Choose a free port (MASTER_PORT, torchrun "
+                "--master_port, accelerate launch --main_process_port), or start with lightseq-finetune "
+                "--nproc N, which picks one")
     if timeout_s is not None and _timed_out(e):
         return (f"the processes did not all join the process group within training.timeout_s={timeout_s:g} s "
                 f"({shown}: {reason}). Raise training.timeout_s (it bounds the start-up as well as every "
