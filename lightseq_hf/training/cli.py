@@ -144,12 +144,16 @@ def _timed_out(e: BaseException) -> bool:
     return "timeout" in text or "timed out" in text
 
 
+def _port_in_use(e: BaseException) -> bool:
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
+
+
 def _process_group_failed(e: BaseException, timeout_s: float | None) -> str:
     """What failed when the process group of the environment's WORLD_SIZE could not start."""
     names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
     shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
     reason = one_line(e).rstrip(".")
-    if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+    if _port_in_use(e):
         where = f"port {os.environ.get('MASTER_PORT')} of {os.environ.get('MASTER_ADDR', 'this host')}"
         return (f"{where} is in use (another run's, or one that has not exited yet), so rank 0 could not "
                 f"host the process group there ({reason}). Choose a free port (MASTER_PORT, torchrun "
@@ -178,7 +182,8 @@ def _worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
         raise e
     started = dist.is_available() and dist.is_initialized()
     if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
-                                                   or "MASTER_ADDR" in str(e) or _timed_out(e)):
+                                                   or "MASTER_ADDR" in str(e) or _timed_out(e)
+                                                   or _port_in_use(e)):
         return _fail(_process_group_failed(e, timeout_s), EXIT_CONFIG, every_rank=True)
     if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
         waited = f" or did not answer within training.timeout_s={timeout_s:g} s" if timeout_s else ""
