@@ -1,8 +1,8 @@
 """Make the shared test helpers (tests/distributed.py) importable from every test folder; without a GPU,
 Triton kernels run in Triton's interpreter (set before any test imports triton, whatever the order).
 
-Nothing a test starts outlives the session: the pytest process adopts the processes its children leave
-behind (a launcher killed mid-run leaves its workers: Linux's child subreaper), and when the session ends,
+Nothing a test starts outlives the test run: the pytest process adopts the processes its children leave
+behind (a launcher killed mid-run leaves its workers: Linux's child subreaper), and when pytest ends,
 normally or by Ctrl-C, every process still below it is terminated (then killed) and reaped.
 """
 

@@ -1,9 +1,9 @@
 """Ctrl-C of the test suite leaves no process behind (tests/conftest.py, tests/distributed.py).
 
-A pytest session of one test that starts what the suite's tests start, a group of spawned workers
+A pytest run of one test that starts what the suite's tests start, a group of spawned workers
 (``run_distributed``) and a launcher whose worker outlives it, is interrupted with SIGINT to the pytest
-process alone (what CI's runner sends); it must exit within seconds, and no process of its session may
-remain.
+process alone (what CI's runner sends); it must exit within seconds, and none of the processes it started
+(all in the setsid group it leads) may remain.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def test_interrupted():
 '''
 
 
-def _session(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
+def _led_by(leader: int) -> list[int]:
+    """Live (not zombie) processes led by ``leader`` (its setsid group: every process it started)."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -48,7 +48,7 @@ def _session(sid: int) -> list[int]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        if entry.name.isdigit() and int(fields[3]) == sid and fields[0] != "Z":
+        if entry.name.isdigit() and int(fields[3]) == leader and fields[0] != "Z":
             found.append(int(entry.name))
     return found
 
@@ -63,7 +63,7 @@ def test_ctrl_c_of_the_suite_leaves_no_process(tmp_path: Path) -> None:
                             text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
-        while len(_session(proc.pid)) < 5:  # pytest, 2 spawned workers, the launcher and its worker
+        while len(_led_by(proc.pid)) < 5:  # pytest, 2 spawned workers, the launcher and its worker
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.5)
         time.sleep(1.0)
@@ -72,8 +72,8 @@ def test_ctrl_c_of_the_suite_leaves_no_process(tmp_path: Path) -> None:
         out, _ = proc.communicate(timeout=60)
         waited = time.monotonic() - tic
         time.sleep(0.5)
-        assert not _session(proc.pid), (_session(proc.pid), out[-3000:])
+        assert not _led_by(proc.pid), (_led_by(proc.pid), out[-3000:])
         assert "KeyboardInterrupt" in out and waited < 30, (waited, out[-3000:])
     finally:
-        for pid in _session(proc.pid):
+        for pid in _led_by(proc.pid):
             os.kill(pid, signal.SIGKILL)
