@@ -234,6 +234,31 @@ def test_readme_shape():
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text(), "CI runs the README's test command"
 
 
+def test_the_quick_start_says_what_it_runs_and_how_long_it_took():
+    """run_tiny.sh's command without GPUs is the one configs/tiny.yaml and the benchmarks page quote, and
+    the durations they and the README give are the measured ones (results/quickstart-cpu-*.json)."""
+    script = (ROOT / "scripts" / "run_tiny.sh").read_text().splitlines()
+    (cpu,) = [line for line in script if line.startswith("exec ") and "training.device=cpu" in line]
+    command = cpu.removeprefix("exec ").replace(' "$@"', "")
+    bench = (ROOT / "benchmarks" / "README.md").read_text()
+    tiny_section = " ".join(bench[bench.index("## The tiny CPU run"):].split("\n## ")[0].split())
+    assert f"(`{command}`)" in tiny_section and "accelerate launch" not in tiny_section
+    header = " ".join(line.lstrip("# ") for line in (ROOT / "configs" / "tiny.yaml").read_text().splitlines()
+                      if line.startswith("#"))
+    assert command in header and "accelerate" not in header
+    (timings,) = sorted(RESULTS.glob("quickstart-cpu-*.json"))
+    record = json.loads(timings.read_text())
+    tiny = record["run_tiny"]
+    assert tiny["runs"] == command and tiny["summary"] in tiny_section
+    took = f"{tiny['wall_s'] / 60:.0f} minutes"
+    cpu_time = f"{tiny['cpu_s'] / 60:.0f} minutes of CPU time"
+    readme = " ".join(README.read_text().split())
+    assert f"`run_tiny.sh` took {took} ({cpu_time})" in readme and record["date"] in readme
+    assert f"Took {took} on a 2-core machine shared with other jobs, {cpu_time}" in header
+    assert f"{tiny['wall_s']:.0f} s ({took})" in tiny_section
+    assert f"{tiny['cpu_s']:.0f} s of CPU time" in tiny_section
+
+
 def _summary(name: str) -> dict:
     return json.loads((RESULTS / name).read_text())["summary"]
 

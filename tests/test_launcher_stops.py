@@ -106,6 +106,8 @@ def test_the_other_rank_names_the_failed_rank_and_why(tmp_path: Path, fault: str
     assert any(reason in line for line in lines), lines
     assert "Traceback" not in out and "Connection closed" not in out, out[-3000:]
     assert not (run / LOCK_FILE).exists()  # the run's lock file goes with the run
+    for notice in ("attention implementation 'sdpa' -> 'lightseq_dist'", "training.warmup_steps=10 exceeds"):
+        assert out.count(notice) == 1, out[-3000:]  # the same on every rank: printed by rank 0 alone
     if limit is not None:
         assert any("the checkpoints saved before are intact" in line and "saving.resume_from=latest" in line
                    for line in lines), lines
