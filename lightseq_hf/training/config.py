@@ -11,7 +11,6 @@ ranges, finiteness (NaN/Inf are refused) and unknown keys are checked by the sch
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,6 +32,7 @@ from ..kernels import BACKENDS
 from .architecture import check_model_config, model_vocab_size
 from .data import FILE_FORMATS, detect_format
 from .errors import ConfigError
+from .keys import meant_key
 
 
 def _as_list(value: Any) -> Any:
@@ -223,15 +223,6 @@ class FinetuneConfig(_Section):
     parity: ParityCheckConfig = Field(default_factory=ParityCheckConfig)
 
 
-#: what Hugging Face's TrainingArguments call keys of this schema (an unknown key's "did you mean")
-KEY_ALIASES = {"learning_rate": "lr", "gradient_accumulation_steps": "grad_accum",
-               "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
-               "lr_scheduler_type": "lr_schedule", "logging_steps": "every", "save_steps": "every",
-               "resume_from_checkpoint": "resume_from", "gradient_checkpointing": "checkpointing",
-               "max_seq_length": "context_length", "max_length": "context_length",
-               "seq_len": "context_length", "sequence_parallel_size": "sp_size", "warmup": "warmup_steps"}
-
-
 def _dotted(loc: tuple) -> str:
     out = ""
     for part in loc:
@@ -257,10 +248,8 @@ def _describe(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         section = _section_at(loc[:-1])
         known = f"; known keys: {', '.join(sorted(section.model_fields))}" if section else ""
-        fields = list(section.model_fields) if section else []
-        close = [a for a in [KEY_ALIASES.get(str(loc[-1]))] if a in fields] or \
-            difflib.get_close_matches(str(loc[-1]), fields, n=1)
-        hint = f"; did you mean {_dotted((*loc[:-1], close[0]))}?" if close else ""
+        meant = meant_key(str(loc[-1]), list(section.model_fields) if section else [])
+        hint = f"; did you mean {_dotted((*loc[:-1], meant))}?" if meant else ""
         return f"unknown key {key}{hint} (in {_dotted(loc[:-1]) or 'top level'}{known})"
     msg = err["msg"]
     if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
