@@ -12,6 +12,7 @@ lightseq_hf[train]``; this package imports without it.
 
 from .checkpoint import remat_checkpoint
 from .guard import ParityError, check_parity, sync_gradients
+from .notices import install_rank_zero_filter
 from .parallel import (
     ParallelGroups,
     Segments,
@@ -23,6 +24,8 @@ from .parallel import (
 )
 from .parallel.sharding import pad_to_multiple
 from .patches import patch, patch_llama, patch_model, unpatch, unpatch_llama
+
+install_rank_zero_filter()  # the library's notices are the same on every rank: printed by rank 0 only
 
 __version__ = "0.1.0"
 

@@ -184,7 +184,7 @@ def field_comments(cls: type) -> dict[str, str]:
         text = " ".join([*above, *([beside] if beside else [])]).strip()
         if text.startswith("type: ignore"):
             text = ""
-        out[node.target.id] = text.replace(" # type: ignore[valid-type]", "")
+        out[node.target.id] = re.sub(r"\s*type: ignore\[[\w-]+\]", "", text)
     return out
 
 

@@ -63,8 +63,16 @@ def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> l
     """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo on CPU, or nccl with one GPU
     each); return each rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, _free_port(), backend, fn, args, out_dir), nprocs=world,
-                           join=True, start_method="spawn")
+        context = mp.start_processes(_entry, args=(world, _free_port(), backend, fn, args, out_dir),
+                                     nprocs=world, join=False, start_method="spawn")
+        try:
+            while not context.join():
+                pass
+        except BaseException:  # Ctrl-C, or a failed rank: no worker keeps computing
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

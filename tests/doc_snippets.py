@@ -98,3 +98,19 @@ def commands(code: str) -> list[str]:
 def split_command(command: str) -> list[str]:
     """shlex tokens of one command, without a trailing comment."""
     return shlex.split(command, comments=True)
+
+
+def namespace(model_dir: str, out_dir: str) -> dict:
+    """What the documented snippets assume exists (the README's ``MODEL``, ``OUT``, ``dataset``,
+    ``text_dataset``, ``loader``): the same on every rank, a few steps of data each."""
+    import datasets
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    rows = [torch.randint(4, 128, (64,), generator=g).tolist() for _ in range(2)]
+    dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}).with_format("torch")
+    texts = [" ".join(f"t{int(t)}" for t in torch.randint(4, 128, (int(n),), generator=g))
+             for n in torch.randint(8, 40, (6,), generator=g)]
+    return {"MODEL": model_dir, "OUT": out_dir, "dataset": dataset,
+            "text_dataset": datasets.Dataset.from_dict({"text": texts}),
+            "loader": torch.utils.data.DataLoader(dataset, batch_size=1)}

@@ -85,7 +85,7 @@ def test_sampler_uneven_and_resume() -> None:
     assert all(len(g) == 3 for g in got)  # every group runs the same number of steps
     assert set().union(*map(set, got)) == set(range(10))
     r = ParallelSampler(10, 4, 2, seed=1)
-    r.set_epoch(0, start=1)
+    r.set_epoch(0, start=4)  # one step of the 4 groups: the position counts all groups' samples
     assert list(r) == got[2][1:] and len(r) == 2
 
 

@@ -1,8 +1,9 @@
 """The documentation stays true: its snippets run, its numbers and files exist, its references resolve.
 
-* Every Python block of README.md and docs/ runs, in order, on 2 gloo processes (``MODEL`` a tiny saved
-  Llama, ``OUT`` a temporary directory, ``dataset`` / ``text_dataset`` / ``loader`` small data); a model a
-  block leaves behind must hold the same weights on both ranks (the gradient sync of the custom loop).
+* Every Python block of README.md and docs/ runs as a file under ``torchrun --nproc_per_node 2`` (CPU,
+  gloo), in order (``MODEL`` a tiny saved Llama, ``OUT`` a temporary directory, ``dataset`` /
+  ``text_dataset`` / ``loader`` small data); a model a block leaves behind must hold the same weights on
+  both ranks (the gradient sync of the custom loop).
 * Every CPU shell block runs as written in a tree that links the repository (fine-tune commands get a
   2-step budget appended); blocks that need GPUs have their fine-tune commands validated with ``--check``.
 * Every block carries a marker when it does not run here (tests/doc_snippets.py says which).
@@ -85,83 +86,36 @@ def _tiny_model(path: Path) -> None:
                             bos_token="t3").save_pretrained(path)
 
 
-def _namespace(model_dir: str, out_dir: str) -> dict:
-    """What the documented snippets assume exists: the same on every rank."""
-    import datasets
-    import torch
-
-    g = torch.Generator().manual_seed(7)
-    rows = [torch.randint(4, 128, (64,), generator=g).tolist() for _ in range(2)]  # few steps per block
-    dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows}).with_format("torch")
-    texts = [" ".join(f"t{int(t)}" for t in torch.randint(4, 128, (int(n),), generator=g))
-             for n in torch.randint(8, 40, (6,), generator=g)]
-    return {"MODEL": model_dir, "OUT": out_dir, "dataset": dataset,
-            "text_dataset": datasets.Dataset.from_dict({"text": texts}),
-            "loader": torch.utils.data.DataLoader(dataset, batch_size=1)}
-
-
-def _same_on_every_rank(value, what: str, where: str) -> list[str]:
-    import torch
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    if any(not torch.allclose(torch.as_tensor(v), torch.as_tensor(values[0]), rtol=1e-9, atol=1e-12)
-           for v in values):
-        return [f"{where}: {what} differs between ranks: {values}"]
-    return []
-
-
-def python_worker(rank, world, blocks, model_dir, out_dir):
-    """Run each block in a fresh namespace, in order; return failures."""
-    import logging
-    import time
-    import traceback
-
-    import torch
-    import torch.distributed as dist
-
-    import lightseq_hf
-
-    logging.getLogger("lightseq_hf").setLevel(logging.ERROR)
-    joined, destroy = dist.init_process_group, dist.destroy_process_group
-    # this harness joined the processes and tears the group down: a block's own init/destroy are no-ops
-    dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else joined(*a, **k)
-    dist.destroy_process_group = lambda *a, **k: None
-    failures = []
-    for where, code in blocks:
-        ns = _namespace(model_dir, out_dir)
-        tic = time.perf_counter()
-        try:
-            exec(compile(code, where, "exec"), ns)  # noqa: S102  (the documentation's own code)
-        except Exception:
-            failures.append(f"rank {rank}, {where} raised:\n{traceback.format_exc()[-3000:]}")
-        else:
-            model = ns.get("model")
-            if isinstance(model, torch.nn.Module):  # the custom loop's gradient sync keeps replicas equal
-                total = sum(float(p.detach().double().sum()) for p in model.parameters())
-                failures += _same_on_every_rank(total, "the weights' sum", where)
-            if isinstance(ns.get("logits"), torch.Tensor):
-                failures += _same_on_every_rank(float(ns["logits"].double().sum()), "the logits' sum", where)
-        finally:
-            lightseq_hf.unpatch_llama()
-        if rank == 0:
-            print(f"{where}: {time.perf_counter() - tic:.1f}s", flush=True)
-    dist.init_process_group, dist.destroy_process_group = joined, destroy
-    return failures
-
-
 @pytest.mark.slow
-def test_python_blocks_run_on_two_processes(tmp_path):
-    from distributed import run_distributed
-
-    blocks = [(s.where, s.code) for s in all_snippets() if s.lang == "python" and s.marker is None]
-    assert len(blocks) >= 8, blocks
+def test_python_blocks_run_as_files_under_torchrun(tmp_path):
+    """Each block, as a file, under ``torchrun --nproc_per_node 2`` (tests/doc_runner.py: one launch, the
+    process reset between files); a model a block leaves holds the same weights on both ranks."""
+    blocks = [s for s in all_snippets() if s.lang == "python" and s.marker is None]
+    assert len(blocks) >= 8, [s.where for s in blocks]
+    files = tmp_path / "snippets"
+    files.mkdir()
+    names = {}
+    for i, block in enumerate(blocks):
+        name = f"{i:02d}-" + re.sub(r"[^A-Za-z0-9]+", "-", block.where).strip("-") + ".py"
+        (files / name).write_text(block.code)
+        names[name] = block.where
     _tiny_model(tmp_path / "model")
-    os.environ.update(CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
-    results = run_distributed(python_worker, 2, blocks, str(tmp_path / "model"), str(tmp_path / "out"))
-    failures = [f for r in results for f in r]
+    out = tmp_path / "out"
+    out.mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "doc_runner.py"), str(files), str(tmp_path / "model"), str(out)]
+    proc = subprocess.run(command, cwd=tmp_path, env=_cpu_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    failures = [f"rank {r}, {names[name]} raised:\n{res['error']}" for r, results in enumerate(ranks)
+                for name, res in results.items() if res["error"]]
+    for name in names:
+        for key in ("weights", "logits"):  # the custom loop's gradient sync keeps the replicas equal
+            values = [results[name].get(key) for results in ranks]
+            if values[0] is not None and values[0] != pytest.approx(values[1], rel=1e-9, abs=1e-12):
+                failures.append(f"{names[name]}: the {key}' sum differs between ranks: {values}")
     assert not failures, "\n\n".join(failures)
+    print("\n".join(f"{names[n]}: {r['seconds']}s" for n, r in ranks[0].items()))
 
 
 def test_gpu_only_python_blocks_compile():
@@ -278,6 +232,31 @@ def test_readme_shape():
     assert any([split_command(c) for c in commands(s.code)] == test_command for s in fences), \
         "the README's test command"
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text(), "CI runs the README's test command"
+
+
+def test_the_quick_start_says_what_it_runs_and_how_long_it_took():
+    """run_tiny.sh's command without GPUs is the one configs/tiny.yaml and the benchmarks page quote, and
+    the durations they and the README give are the measured ones (results/quickstart-cpu-*.json)."""
+    script = (ROOT / "scripts" / "run_tiny.sh").read_text().splitlines()
+    (cpu,) = [line for line in script if line.startswith("exec ") and "training.device=cpu" in line]
+    command = cpu.removeprefix("exec ").replace(' "$@"', "")
+    bench = (ROOT / "benchmarks" / "README.md").read_text()
+    tiny_section = " ".join(bench[bench.index("## The tiny CPU run"):].split("\n## ")[0].split())
+    assert f"(`{command}`)" in tiny_section and "accelerate launch" not in tiny_section
+    header = " ".join(line.lstrip("# ") for line in (ROOT / "configs" / "tiny.yaml").read_text().splitlines()
+                      if line.startswith("#"))
+    assert command in header and "accelerate" not in header
+    (timings,) = sorted(RESULTS.glob("quickstart-cpu-*.json"))
+    record = json.loads(timings.read_text())
+    tiny = record["run_tiny"]
+    assert tiny["runs"] == command and tiny["summary"] in tiny_section
+    took = f"{tiny['wall_s'] / 60:.0f} minutes"
+    cpu_time = f"{tiny['cpu_s'] / 60:.0f} minutes of CPU time"
+    readme = " ".join(README.read_text().split())
+    assert f"`run_tiny.sh` took {took} ({cpu_time})" in readme and record["date"] in readme
+    assert f"Took {took} on a 2-core machine shared with other jobs, {cpu_time}" in header
+    assert f"{tiny['wall_s']:.0f} s ({took})" in tiny_section
+    assert f"{tiny['cpu_s']:.0f} s of CPU time" in tiny_section
 
 
 def _summary(name: str) -> dict:

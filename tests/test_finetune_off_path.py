@@ -126,7 +126,8 @@ def test_check_runs_what_the_run_checks_before_its_first_step(tmp_path: Path, ca
     assert main([*resume, "training.max_steps=20"]) == 2
     _one_line_error(capsys, 2, "was trained with a learning-rate schedule of 10 steps, this run has 20")
     assert main([*resume, "training.max_steps=10"]) == 0
-    assert "resume data matches, schedule matches" in capsys.readouterr().out
+    checked = capsys.readouterr().out
+    assert "resume data matches, continues at the start of epoch 0, schedule matches" in checked, checked
     write_completion_record(out / "checkpoint-4", 4, {"schedule_steps": 10, "data_fingerprint": "0123"})
     assert main([*resume, "training.max_steps=10"]) == 2
     _one_line_error(capsys, 2, "the training data changed since")

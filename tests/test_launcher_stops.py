@@ -3,13 +3,15 @@ one's own when one rank crashes.
 
 SIGTERM to the launcher (what ``kill``, ``timeout`` and batch schedulers send) and Ctrl-C (SIGINT to the
 terminal's whole process group) stop both workers and leave one line, exit status 128 + signal. When one
-rank fails (a crash of its own, a full disk during a save) the other says which rank failed and why, in
-one line, instead of the backend's "Connection closed by peer".
+rank fails (a crash of its own, a full disk during a save: a file size limit makes the write fail) the
+other says which rank failed and why, in one line, instead of the backend's "Connection closed by peer".
+However the run ends, its lock file in ``output_dir`` is removed.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from lightseq_hf._testing.faults import ENV as FAULTS_ENV
+from lightseq_hf.training.output import LOCK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["training.device=cpu", "logging.progress_bar=false", "data.synthetic.eval_samples=2",
@@ -70,29 +73,44 @@ def test_a_stopped_launcher_stops_its_workers_with_one_line(tmp_path: Path, how:
                            "the run with saving.resume_from=latest)"], out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert not any(_alive(pid) for pid in workers)  # nothing keeps training into the output directory
+    assert not (run / LOCK_FILE).exists()
 
 
-@pytest.mark.parametrize(("fault", "failed", "reason"), [
-    ("step:1:2:raise", "rank 1 stopped: ValueError: injected failure (step point, step 2)",
+def _file_size_limit(limit: int | None):
+    """A ``preexec_fn`` capping the size of every file the processes write (a disk that fills up: the
+    write past it fails, as it does when the disk is full; Python ignores the SIGXFSZ that comes with it)."""
+    if limit is None:
+        return None
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
+@pytest.mark.parametrize(("fault", "limit", "failed", "reason"), [
+    ("step:1:2:raise", None, "rank 1 stopped: ValueError: injected failure (step point, step 2)",
      "stopped on rank 0: rank 1 failed: ValueError: injected failure (step point, step 2)"),
-    ("save:0:2:diskfull", "stopped: writing checkpoint-2 in",
+    # the optimizer state (about 1 MB) does not fit: torch's writer fails in the middle of state/
+    (None, 600_000, "stopped: writing checkpoint-2 in {run} failed (RuntimeError: [enforce fail at ",
      "stopped on rank 1: rank 0 failed: CheckpointError: writing checkpoint-2"),
 ])
-def test_the_other_rank_names_the_failed_rank_and_why(tmp_path: Path, fault: str, failed: str,
-                                                      reason: str) -> None:
+def test_the_other_rank_names_the_failed_rank_and_why(tmp_path: Path, fault: str | None, limit: int | None,
+                                                      failed: str, reason: str) -> None:
+    run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "lightseq_hf._testing.faults", "--nproc", "2",
                            "configs/tiny.yaml", *SMALL, "training.max_steps=4", "saving.every=2",
-                           f"output_dir={tmp_path / 'run'}"], cwd=ROOT, env=_env(fault), capture_output=True,
-                          text=True, timeout=240)
+                           f"output_dir={run}"], cwd=ROOT, env=_env(fault), capture_output=True,
+                          text=True, timeout=240, preexec_fn=_file_size_limit(limit))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     lines = _lines(out)
     assert len(lines) == 2, out[-3000:]  # the failed rank's line, and its peer's naming it
-    assert any(failed in line for line in lines), lines
+    assert any(failed.format(run=run) in line for line in lines), lines
     assert any(reason in line for line in lines), lines
     assert "Traceback" not in out and "Connection closed" not in out, out[-3000:]
-    if "diskfull" in fault:
-        assert "No space left on device" in out and "the checkpoints saved before are intact" in out
+    assert not (run / LOCK_FILE).exists()  # the run's lock file goes with the run
+    for notice in ("attention implementation 'sdpa' -> 'lightseq_dist'", "training.warmup_steps=10 exceeds"):
+        assert out.count(notice) == 1, out[-3000:]  # the same on every rank: printed by rank 0 alone
+    if limit is not None:
+        assert any("the checkpoints saved before are intact" in line and "saving.resume_from=latest" in line
+                   for line in lines), lines
 
 
 PLAIN_LOOP = """

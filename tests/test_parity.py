@@ -398,6 +398,24 @@ def test_a_prefix_without_labels_and_a_nonfinite_loss():
         lightseq_hf.check_parity(model, embeds)
 
 
+def test_a_batch_given_as_lists():
+    """Per-token entries given as lists (a collator's output) are checked as the tensors they stand for:
+    the same report as with tensors; ragged lists are refused in one line naming the entry."""
+    import lightseq_hf
+
+    model = _model({}, {}, None)
+    batch = _batch("packed", 2, 24, seed=6)
+    as_lists = {**batch, "position_ids": batch["position_ids"].tolist(),
+                "attention_mask": torch.ones_like(batch["input_ids"]).tolist()}
+    mask = torch.ones_like(batch["input_ids"])
+    expected = lightseq_hf.check_parity(model, {**batch, "attention_mask": mask}, max_tokens=48)
+    report = lightseq_hf.check_parity(model, as_lists, max_tokens=48)
+    assert report["passed"] and report["documents"] == expected["documents"] == 6  # 3 packed in each row
+    assert report["loss"] == expected["loss"]
+    with pytest.raises(ValueError, match=r"entry 'position_ids' is a list that cannot be made a tensor"):
+        lightseq_hf.check_parity(model, {**batch, "position_ids": [[0, 1, 2], [0, 1]]})
+
+
 def test_default_cost_on_the_7b_configs():
     """The default prefix costs under 5% of the first optimizer step's model FLOPs on the GPU configs."""
     import types

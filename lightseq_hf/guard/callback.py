@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
 
@@ -12,8 +11,7 @@ from transformers import TrainerCallback
 
 from .gradients import sync_gradients
 from .parity import ParityError, check_parity, summary
-
-logger = logging.getLogger("lightseq_hf")
+from .verdict import passed_line
 
 
 def first_batch(dataloader: Any) -> dict[str, Any]:
@@ -49,8 +47,9 @@ class ParityCallback(TrainerCallback):
 
     ``Trainer(..., callbacks=[lightseq_hf.ParityCallback()])``. On failure every rank stops: rank 0
     prints the check's one-line message and the processes exit with status 1 (``on_failure="raise"``
-    raises :class:`~lightseq_hf.ParityError` instead). The report is kept in ``.report`` and appended
-    to ``state.log_history`` (``trainer_state.json``) as ``parity_*`` entries.
+    raises :class:`~lightseq_hf.ParityError` instead). A pass is printed in one line by rank 0. The report
+    is kept in ``.report`` and appended to ``state.log_history`` (``trainer_state.json``) as ``parity_*``
+    entries.
     """
 
     def __init__(self, *, max_tokens: int | None = None, rtol: float | None = None,
@@ -71,7 +70,8 @@ class ParityCallback(TrainerCallback):
             if not dist.is_initialized() or dist.get_rank() == 0:
                 print(str(err), file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        logger.info("lightseq_hf parity check passed: %s", summary(self.report))
+        if self.report.get("passed") and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(passed_line(self.report), flush=True)  # once, whatever the logging setup
         state.log_history.append({"step": state.global_step, **summary(self.report)})
         return control
 

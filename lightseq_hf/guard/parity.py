@@ -13,6 +13,7 @@ the same on every rank of the group. The ranks exchange their findings, so all r
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from ..patches.state import resolve_sp_group
 from .gradients import gradient_sketch, is_sharded_gradient
 from .observe import AttentionWatch
 from .reference import (
+    CU_KEYS,
+    SEQUENCE_KEYS,
     attention_upcast,
     batch_shape,
     document_ids,
@@ -39,6 +42,7 @@ from .state import preserved_state
 from .verdict import Findings, summary, verdict
 
 IGNORE_INDEX = -100  # the label transformers' losses skip
+logger = logging.getLogger("lightseq_hf")
 
 #: default relative tolerances by the attention's dtype. float32: the brief's 1e-5 (correct setups measure
 #: about 5e-7). bfloat16 and float16: about 3.5x the worst error of 80 correct checks each (40 with weights
@@ -93,8 +97,10 @@ def check_parity(
     when the model is wrapped in neither DDP nor FSDP (e.g. :func:`lightseq_hf.sync_gradients`).
     Parameters, gradients, buffers, training modes and RNG states are left as they were; no optimizer
     step. Returns a report (dict); raises :class:`ParityError` (same message on every rank) when the
-    errors exceed ``rtol``, an attention layer did not run distributed on its shard, the gradients differ
-    between the ranks of a group, or nothing is split (groups of one rank under a launcher).
+    errors exceed ``rtol``, an attention layer did not run distributed on its shard, or the gradients
+    differ between the ranks of a group. Under a launch whose sequence-parallel groups all have one rank
+    (data parallelism only) nothing is split: the report says there is nothing to compare (``compared``
+    False, ``note``), and the note is logged.
     """
     start = time.perf_counter()
     _check_options(max_tokens, rtol)
@@ -108,7 +114,11 @@ def check_parity(
         prefix, inputs, labels = _prepare(batch, max_tokens, len(sp_ranks), device)
     except ValueError as err:  # raised on every rank after the exchange below, never on one alone
         problem = str(err)
-    _check_same_groups(_gather((rank, sp_ranks, problem)))
+    gathered = _gather((rank, sp_ranks, problem))
+    _check_same_groups(gathered)
+    unsplit = _nothing_split(gathered)
+    if unsplit is not None:
+        return unsplit
     docs = document_ids(inputs, prefix.rows, prefix.length, device)
     params = [p for _, p in model.named_parameters()]
     with preserved_state(model):
@@ -142,8 +152,24 @@ def check_parity(
     return report
 
 
+def _as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with its per-token entries given as lists (a collator's output) made tensors, as the
+    model's own code would need them; ValueError naming an entry that cannot be one (ragged rows)."""
+    out = dict(batch)
+    for key in (*SEQUENCE_KEYS, *CU_KEYS):
+        if isinstance(out.get(key), (list, tuple)):
+            try:
+                out[key] = torch.as_tensor(out[key])
+            except (ValueError, TypeError, RuntimeError) as err:
+                kind, why = type(out[key]).__name__, str(err).splitlines()[0]
+                raise ValueError(f"the parity check's batch entry {key!r} is a {kind} that cannot be made a "
+                                 f"tensor ({why}); pass tensors of (rows, length).") from None
+    return out
+
+
 def _prepare(batch: dict[str, Any], max_tokens: int | None, sp_size: int, device: torch.device):
     """(prefix, inputs on ``device``, which labels) of the batch, or ValueError naming what is wrong."""
+    batch = _as_tensors(batch)
     rows, length = batch_shape(batch)
     if length < 2:
         raise ValueError(f"the parity check needs rows of at least 2 tokens (a next-token loss); the batch's "
@@ -214,6 +240,10 @@ def _backward(model, loss, sync, params, seed) -> tuple[float, tuple[torch.Tenso
     """Backward, the loop's sync, the gradients' sketch; clears the gradients. (loss, sketch, sharded)."""
     if loss is None:
         raise ValueError("the model returned no loss for the parity check's batch; pass labels.")
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ValueError(f"the model's loss for the parity check's batch is {type(loss).__name__} "
+                         f"{tuple(getattr(loss, 'shape', ()))}, not one number; the check compares a scalar "
+                         "loss (reduce it in the model, or pass labels its loss reads).")
     value = float(loss.detach().float())
     loss.backward()
     if sync is not None:
@@ -246,8 +276,7 @@ def _windows(target: torch.nn.Module) -> list[int]:
 
 def _check_same_groups(gathered: list[tuple[int, tuple[int, ...], str | None]]) -> None:
     """A batch refused on any rank is refused on all; every member of a rank's sequence-parallel group
-    must use the same group (else the forward hangs); groups of one rank under a launch of several
-    processes split nothing."""
+    must use the same group (else the forward hangs)."""
     problems = [(rank, problem) for rank, _, problem in gathered if problem]
     if problems:
         rank, problem = problems[0]
@@ -265,13 +294,20 @@ def _check_same_groups(gathered: list[tuple[int, tuple[int, ...], str | None]]) 
                     f"{other} uses {list(group_of[other])}. Patch every rank the same way "
                     "(lightseq_hf.init_sequence_parallel(sp_size) on every rank, or the same "
                     "sp_group everywhere).", {"passed": False})
+
+
+def _nothing_split(gathered: list[tuple[int, tuple[int, ...], str | None]]) -> dict[str, Any] | None:
+    """The report of a check with nothing to compare: every rank's sequence-parallel group has 1 rank under
+    a launch of several processes (data parallelism only); else None."""
     world = max(len(gathered), launched_world_size())
-    if world > 1 and all(len(members) == 1 for members in group_of.values()):
-        raise ParityError(
-            f"lightseq_hf parity check failed: sequence parallelism is off: every rank's sequence-parallel "
-            f"group has 1 rank under a launch of {world} processes, so each runs whole sequences and nothing "
-            "is split to check; use groups of several ranks (lightseq_hf.init_sequence_parallel(sp_size) "
-            "with sp_size > 1, or none: the whole world).", {"passed": False})
+    if world == 1 or any(len(members) > 1 for _, members, _ in gathered):
+        return None
+    note = (f"lightseq_hf parity check: nothing to compare: every rank's sequence-parallel group has 1 rank "
+            f"under a launch of {world} processes (data parallelism only), so each runs whole sequences and "
+            "nothing is split; use groups of several ranks (lightseq_hf.init_sequence_parallel(sp_size) with "
+            "sp_size > 1, or none: the whole world) to split them.")
+    logger.warning(note)
+    return {"compared": False, "note": note, "sp_size": 1, "world_size": world}
 
 
 # ----------------------------------------------------------------------------- helpers

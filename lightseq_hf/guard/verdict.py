@@ -267,8 +267,15 @@ def _unsynced_message(members: tuple[int, ...], rank: int, name: str, diff: floa
 
 def summary(report: dict[str, Any]) -> dict[str, Any]:
     """The report's numbers as flat ``parity_*`` entries (for logs, metrics.jsonl, summary.json)."""
-    keys = ("passed", "tokens", "rows", "length", "sp_size", "loss_rel_err", "grad_rel_err",
-            "worst_parameter", "sync_rel_diff", "rtol", "dtype", "gradient_sync", "reference_attention",
-            "documents", "padding_tokens", "labels", "loss_tolerance", "grad_tolerance", "rounding_noise",
-            "grad_by_kind", "seconds")
+    keys = ("passed", "compared", "note", "tokens", "rows", "length", "sp_size", "loss_rel_err",
+            "grad_rel_err", "worst_parameter", "sync_rel_diff", "rtol", "dtype", "gradient_sync",
+            "reference_attention", "documents", "padding_tokens", "labels", "loss_tolerance",
+            "grad_tolerance", "rounding_noise", "grad_by_kind", "seconds")
     return {f"parity_{k}": report[k] for k in keys if k in report}
+
+
+def passed_line(report: dict[str, Any]) -> str:
+    """A passed check's report in one line: tokens, the relative errors and the tolerance."""
+    return (f"lightseq_hf parity check passed on {report.get('tokens')} tokens (sequence-parallel size "
+            f"{report.get('sp_size')}): loss rel err {report.get('loss_rel_err', 0):.1e}, gradients "
+            f"{report.get('grad_rel_err', 0):.1e} (rtol {report.get('rtol')})")

@@ -233,7 +233,9 @@ def dist_flash_attn(
     """Exact attention over a sequence sharded contiguously across ``group``.
 
     ``q`` is this rank's shard ``(batch, local_seq, heads, head_dim)`` (chunk ``rank`` of ``group`` in rank
-    order; default group: the world), ``k`` is ``(batch, local_seq, kv_heads, head_dim)`` and ``v``
+    order; default group: the world; not Transformers' ``(batch, heads, seq, head_dim)``, which is refused
+    where the shapes show it and, with as many key/value heads as query heads and no segments, cannot be
+    told apart: transpose such tensors first), ``k`` is ``(batch, local_seq, kv_heads, head_dim)`` and ``v``
     ``(batch, local_seq, kv_heads, value_dim)`` (``value_dim`` other than ``head_dim``: the reference
     backend). Returns this rank's output shard ``(batch, local_seq, heads, value_dim)`` in ``q.dtype`` and,
     with ``return_lse``, its log-sum-exp ``(batch, heads, local_seq)`` (float32). Without an initialized

@@ -47,6 +47,14 @@ def launched_world_size() -> int:
     return int(value) if value.isdigit() else 1
 
 
+def process_rank() -> int:
+    """This process's global rank: the process group's, else the launcher's ``RANK`` (0 without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    value = os.environ.get("RANK", "").strip()
+    return int(value) if value.isdigit() else 0
+
+
 def check_launched(what: str) -> None:
     """RuntimeError when a launcher started several processes but torch.distributed has no process group:
     ``what`` would then run whole sequences on every process, nothing split."""

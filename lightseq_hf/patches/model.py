@@ -29,7 +29,7 @@ from .._values import check_group
 from ..checkpoint import CHECKPOINTING_MODES, restore_checkpointing, route_checkpointing
 from ..kernels import BACKENDS
 from ..offload import OffloadPlan, offload_plan
-from ..parallel.groups import check_launched
+from ..parallel.groups import check_launched, launched_world_size
 from . import state
 from .architectures import Architecture, UnsupportedModel, decoder_stack, describe, is_causal_lm
 from .attention import lightseq_attention
@@ -95,6 +95,11 @@ def patch(
         offload_checkpoints = plan
     if model is not None and sp_group is None:
         check_launched("lightseq_hf.patch(model)")
+    alone = launched_world_size() == 1 and not (dist.is_available() and dist.is_initialized())
+    if sp_group is None and alone:
+        warn_once("one process", "lightseq_hf: one process, so nothing is split: each sequence runs whole; "
+                  "launch several to split it (torchrun --nproc_per_node N, accelerate launch, or "
+                  "lightseq-finetune --nproc N).")
     settings = PatchSettings(sp_group, checkpointing, backend, offload_checkpoints,
                              check_tiled_mlp(tiled_mlp))
     target = _unwrap(model) if model is not None else None

@@ -167,14 +167,17 @@ def apply_patch(model: torch.nn.Module, cfg: FinetuneConfig, sp_group: Any,
     """Patch the model for sequence parallelism and set up checkpointing (``offload``: the resolved
     ``training.offload_checkpoints``)."""
     import lightseq_hf
+    from lightseq_hf.patches.architectures import UnsupportedModel
 
     ckpt = cfg.training.checkpointing
     offload = offload_value(cfg.training.offload_checkpoints) if offload is None else offload
     check_backend_device(cfg.training.backend, model)
-    model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
-                                    checkpointing="remat" if ckpt == "none" else ckpt,
-                                    offload_checkpoints=offload,
-                                    tiled_mlp=cfg.training.tiled_mlp)
+    try:
+        model = lightseq_hf.patch_model(model, sp_group=sp_group, backend=cfg.training.backend,
+                                        checkpointing="remat" if ckpt == "none" else ckpt,
+                                        offload_checkpoints=offload, tiled_mlp=cfg.training.tiled_mlp)
+    except UnsupportedModel as e:  # the same refusal on every rank: one line, whole, from rank 0
+        raise ConfigError(f"model: {e}") from None
     if ckpt != "none":
         _enable_checkpointing(model)
     if hasattr(model.config, "use_cache"):

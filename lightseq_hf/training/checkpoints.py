@@ -23,11 +23,12 @@ class TrainState:
     def __init__(self) -> None:
         self.step = 0
         self.epoch = 0
-        self.samples_in_epoch = 0  # samples this data-parallel group consumed in the current epoch
+        self.samples_in_epoch = 0  # samples of the current epoch's order consumed, all data-parallel groups
         self.tokens = 0  # tokens trained on, all data-parallel groups together
         self.schedule_steps: int | None = None  # the step count the learning-rate schedule spans
         self.skipped_steps = 0  # steps whose update was skipped (non-finite, training.on_nonfinite=skip)
         self.data_fingerprint: str | None = None  # of the training data (data.data_fingerprint)
+        self.layout: dict | None = None  # the DataLayout that consumed the epoch (layout.DataLayout)
 
     def state_dict(self) -> dict:
         return dict(vars(self))
@@ -42,6 +43,15 @@ def write_training_state(accelerator: Any, directory: Path) -> None:
     accelerator.save_state(str(directory))
 
 
+def _write_failed(e: BaseException) -> bool:
+    """Whether ``e`` is a file that could not be written: the system's error, safetensors' or torch's
+    serializer's (a full disk reads "unexpected pos" there)."""
+    if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":
+        return True
+    return isinstance(e, RuntimeError) and any(
+        w in str(e) for w in ("inline_container", "PytorchStreamWriter", "file write failed"))
+
+
 def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
                     state: TrainState, out_dir: Path) -> Path:
     """``checkpoint-<step>/``: save_pretrained model (+ tokenizer) and, under ``state/``, everything
@@ -49,7 +59,28 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
 
     Written under ``.checkpoint-<step>.tmp``; once every rank has finished, the main process
     records every file (size, sha256) in ``checkpoint_complete.json`` and renames the directory,
-    so a crash at any point leaves either no ``checkpoint-<step>`` or a complete one."""
+    so a crash at any point leaves either no ``checkpoint-<step>`` or a complete one. A file that cannot
+    be written (a full disk) is a CheckpointError in one line naming the directory, its free space and
+    the fix."""
+    try:
+        return _save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+    except Exception as e:
+        if not _write_failed(e):
+            raise
+        tmp = temporary_path(out_dir, state.step)
+        try:
+            free = f"{shutil.disk_usage(tmp if tmp.exists() else out_dir).free / 2**30:.1f} GiB free there"
+        except OSError:
+            free = "its free space unknown"
+        reason = " ".join(str(e).split())[:200]
+        raise CheckpointError(
+            f"writing checkpoint-{state.step} in {out_dir} failed ({type(e).__name__}: {reason}; {free}); "
+            "the checkpoints saved before are intact. Free space there, or save less (saving.every, "
+            "saving.save_optimizer=false), then resume with saving.resume_from=latest") from e
+
+
+def _save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
+                     state: TrainState, out_dir: Path) -> Path:
     step = state.step
     final, tmp = out_dir / f"checkpoint-{step}", temporary_path(out_dir, step)
     if accelerator.is_main_process:
@@ -68,9 +99,9 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
         write_training_state(accelerator, tmp / "state")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_completion_record(tmp, step, {"epoch": state.epoch, "tokens": state.tokens,
-                                            "world_size": accelerator.num_processes,
-                                            "schedule_steps": state.schedule_steps,
+        write_completion_record(tmp, step, {"epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch,
+                                            "tokens": state.tokens, "world_size": accelerator.num_processes,
+                                            "layout": state.layout, "schedule_steps": state.schedule_steps,
                                             "data_fingerprint": state.data_fingerprint}, cfg.saving.checksums)
         aside = publish(tmp, final)
         if aside is not None:
@@ -100,9 +131,10 @@ def check_same_data(saved: str | None, fingerprint: str, resume: Path) -> None:
             f"weights with model.path={resume}")
 
 
-def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, step: int, resume: Path) -> bool:
+def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, step: int, resume: Path,
+                   why: str = "") -> bool:
     """Whether the resumed schedule (``saved`` steps, None: unknown) differs from this run's; ConfigError
-    when it does and ``saving.on_schedule_change`` is ``error``."""
+    when it does and ``saving.on_schedule_change`` is ``error`` (``why``: the cause, when known)."""
     if saved is None or saved == total_steps:
         return False
     if cfg.saving.on_schedule_change == "error":
@@ -110,7 +142,7 @@ def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, ste
         new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(step)
         raise ConfigError(
             f"saving.on_schedule_change: {resume} was trained with a learning-rate schedule of {saved} "
-            f"steps, this run has {total_steps}; resuming would move the learning rate at step {step} "
+            f"steps, this run has {total_steps}{why}; resuming would move the learning rate at step {step} "
             f"from {old_lr:.3g} to {new_lr:.3g}. Set saving.on_schedule_change=keep (finish the old "
             "schedule, then hold its final rate) or =rebuild (stretch the schedule to the new length)"
         )
@@ -118,10 +150,10 @@ def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, ste
 
 
 def reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int, scheduler: Any,
-                       resume: Path) -> None:
+                       resume: Path, why: str = "") -> None:
     """A resumed run whose step count differs from the checkpoint's: error, or the configured choice."""
     saved = state.schedule_steps
-    if not check_schedule(cfg, saved, total_steps, state.step, resume):
+    if not check_schedule(cfg, saved, total_steps, state.step, resume, why):
         state.schedule_steps = total_steps
         return
     choice = cfg.saving.on_schedule_change

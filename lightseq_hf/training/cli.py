@@ -26,6 +26,7 @@ from .config import FinetuneConfig, load_config
 from .errors import ConfigError
 from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
+from .output import release_output_dir_locks
 
 EXIT_CONFIG, EXIT_FAILED = 2, 1
 WORKER_MODULE = "lightseq_hf.training.cli"
@@ -138,18 +139,38 @@ def _stopped(signum: signal.Signals) -> int:
     return 128 + signum
 
 
-def _process_group_failed(e: BaseException) -> str:
+def _timed_out(e: BaseException) -> bool:
+    text = str(e).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def _port_in_use(e: BaseException) -> bool:
+    return "EADDRINUSE" in str(e) or "address already in use" in str(e).lower()
+
+
+def _process_group_failed(e: BaseException, timeout_s: float | None) -> str:
     """What failed when the process group of the environment's WORLD_SIZE could not start."""
     names = ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")
     shown = ", ".join(f"{n}={os.environ[n]}" for n in names if n in os.environ)
     reason = one_line(e).rstrip(".")
+    if _port_in_use(e):
+        where = f"port {os.environ.get('MASTER_PORT')} of {os.environ.get('MASTER_ADDR', 'this host')}"
+        return (f"{where} is in use (another run's, or one that has not exited yet), so rank 0 could not "
+                f"host the process group there ({reason}). Choose a free port (MASTER_PORT, torchrun "
+                "--master_port, accelerate launch --main_process_port), or start with lightseq-finetune "
+                "--nproc N, which picks one")
+    if timeout_s is not None and _timed_out(e):
+        return (f"the processes did not all join the process group within training.timeout_s={timeout_s:g} s "
+                f"({shown}: {reason}). Raise training.timeout_s (it bounds the start-up as well as every "
+                "collective wait), and check that every rank was started")
     return (f"could not start the process group that the environment describes ({shown}): {reason}. "
             "Start every rank (lightseq-finetune --nproc N, torchrun or accelerate launch), or unset "
             "WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run one process.")
 
 
-def _worker_failed(e: BaseException) -> int:
-    """Report a worker's failure (published for its peers first), in one line where it is understood."""
+def _worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
+    """Report a worker's failure (published for its peers first), in one line where it is understood
+    (``timeout_s``: the run's ``training.timeout_s``, named when a wait ran out)."""
     from ..guard.parity import ParityError
     from .failures import OutOfMemoryStop
     from .guards import NonFiniteError
@@ -161,10 +182,12 @@ def _worker_failed(e: BaseException) -> int:
         raise e
     started = dist.is_available() and dist.is_initialized()
     if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
-                                                   or "MASTER_ADDR" in str(e)):
-        return _fail(_process_group_failed(e), EXIT_CONFIG, every_rank=True)
+                                                   or "MASTER_ADDR" in str(e) or _timed_out(e)
+                                                   or _port_in_use(e)):
+        return _fail(_process_group_failed(e, timeout_s), EXIT_CONFIG, every_rank=True)
     if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
-        e = explain_peer_failure(e, "the run")
+        waited = f" or did not answer within training.timeout_s={timeout_s:g} s" if timeout_s else ""
+        e = explain_peer_failure(e, "the run", f"a peer rank left, froze, called another operation{waited}")
     if not isinstance(e, OutOfMemoryStop):  # that one published its line itself
         report_failure(e)
     if isinstance(e, ConfigError):
@@ -194,7 +217,7 @@ def _run_worker(cfg: FinetuneConfig) -> int:
         _stop_on_signals()
         train(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure is reported (peers read it), then mapped
-        return _worker_failed(e)
+        return _worker_failed(e, cfg.training.timeout_s)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -245,7 +268,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         return 0
-    if args.check:
+    if args.check or args.nproc:  # the launcher makes --check's checks before it starts anything
         from .preflight import preflight
 
         try:
@@ -254,6 +277,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
             return _fail(f"config error: {e}", EXIT_CONFIG)
         except RuntimeError as e:  # CheckpointError
             return _fail(str(e), EXIT_FAILED)
+    if args.check:
         print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
               flush=True)
         return 0
@@ -262,19 +286,22 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
 
         try:
             return launch(args.nproc, worker_module, _worker_args(argv), args.accelerate_config,
-                          grace_s=min(cfg.training.timeout_s, 10.0))
+                          grace_s=min(max(cfg.training.timeout_s, 2.0), 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
-    _start_worker()
+    _start_worker(cfg)
     return _run_worker(cfg)
 
 
-def _start_worker() -> None:
-    """What a training process sets before its first CUDA allocation: the allocator's default."""
+def _start_worker(cfg: FinetuneConfig) -> None:
+    """What a training process sets before its first CUDA allocation: the allocator's default (said by
+    rank 0 when the run uses CUDA)."""
+    import torch
+
     from .launch import use_expandable_segments
 
     line = use_expandable_segments()
-    if _is_reporting_rank():
+    if _is_reporting_rank() and cfg.training.device != "cpu" and torch.cuda.is_available():
         logger.info(line)
 
 
@@ -289,6 +316,7 @@ def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> No
     The exit handler of ``lightseq_hf.parallel.teardown`` waits for those threads; ``os._exit`` does not
     depend on it. Everything the run writes is closed before ``main`` returns."""
     code = main(argv, worker_module)
+    release_output_dir_locks()  # however the run ended
     if (_world_size() or 1) > 1:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -32,6 +32,7 @@ from ..kernels import BACKENDS
 from .architecture import check_model_config, model_vocab_size
 from .data import FILE_FORMATS, detect_format
 from .errors import ConfigError
+from .keys import meant_key
 
 
 def _as_list(value: Any) -> Any:
@@ -61,6 +62,8 @@ OpenFraction = _number(float, gt=0, lt=1)
 Beta = _number(float, ge=0, lt=1)
 Seed = _number(int, ge=0, lt=2**32)  # numpy's seeds are 32-bit
 MAX_TIMEOUT_S = 30 * 24 * 3600
+#: a shorter bound fails healthy start-ups: each process waits for the others to start and connect (seconds)
+MIN_TIMEOUT_S = 1.0
 StrList = Annotated[list[str], BeforeValidator(_as_list)]
 
 #: top-level keys starting with this are ignored (anchors for YAML merge keys, ``<<: *name``)
@@ -157,8 +160,9 @@ class TrainingConfig(_Section):
     backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: Seed = 0
-    # bound on every collective wait (a frozen or missing peer ends the run); at most 30 days
-    timeout_s: _number(float, gt=0, le=MAX_TIMEOUT_S) = 600.0  # type: ignore[valid-type]
+    # bound on every collective wait (a frozen or missing peer ends the run), the start-up's included; 1 s
+    # to 30 days
+    timeout_s: _number(float, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S) = 600.0  # type: ignore[valid-type]
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
     # memory options (README "Memory")
     # what checkpointed layers keep -> pinned host memory, prefetched: true (every layer), N (the first N
@@ -244,7 +248,9 @@ def _describe(err: dict) -> str:
     if err["type"] == "extra_forbidden":
         section = _section_at(loc[:-1])
         known = f"; known keys: {', '.join(sorted(section.model_fields))}" if section else ""
-        return f"unknown key {key} (in {_dotted(loc[:-1]) or 'top level'}{known})"
+        meant = meant_key(str(loc[-1]), list(section.model_fields) if section else [])
+        hint = f"; did you mean {_dotted((*loc[:-1], meant))}?" if meant else ""
+        return f"unknown key {key}{hint} (in {_dotted(loc[:-1]) or 'top level'}{known})"
     msg = err["msg"]
     if err["type"] == "value_error":  # our own validators' words, without pydantic's prefix
         msg = str(err.get("ctx", {}).get("error", msg))
@@ -362,6 +368,7 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
     base = Path(base_dir) if base_dir is not None else None
     cfg.output_dir = os.path.expanduser(cfg.output_dir)
     _validate_layout(cfg, world_size)
+    _inside_output_dir(cfg.logging.metrics_file, "logging.metrics_file", cfg.output_dir)
     vocab = _validate_model(cfg, base)
     _check_input_memory(cfg)
     _validate_data(cfg, base, vocab)
@@ -374,6 +381,15 @@ def validate(cfg: FinetuneConfig, base_dir: str | Path | None = None, world_size
             raise ConfigError(f"saving.resume_from: {cfg.saving.resume_from!r} is a file, not a checkpoint "
                               f"directory; pass a checkpoint-<step> directory, '{RESUME_LATEST}' or "
                               f"'{RESUME_LATEST_OR_FRESH}'")
+
+
+def _inside_output_dir(value: str, key: str, output_dir: str) -> None:
+    """``value``, a file the run writes, must be a path relative to ``output_dir`` that stays inside it (a
+    run's files move with it, and are what a resume or an archive of the run finds)."""
+    path = Path(os.path.expanduser(value))
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise ConfigError(f"{key}: {value!r} is not inside output_dir ({output_dir}): give a path relative "
+                          "to output_dir, such as metrics.jsonl or logs/metrics.jsonl")
 
 
 def _validate_layout(cfg: FinetuneConfig, world_size: int | None) -> None:

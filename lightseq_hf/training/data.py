@@ -3,7 +3,8 @@
 Every rank of a sequence-parallel group must see the same full batch (the patch slices
 it), data-parallel groups must see disjoint samples, and an epoch visits every sample
 once: :class:`ParallelSampler` does this from ``(dp_rank, dp_size)`` alone, so the
-sequence-parallel ranks of a group, which share ``dp_rank``, draw identical indices.
+sequence-parallel ranks of a group, which share ``dp_rank``, draw identical indices; its position in an
+epoch counts the samples of all groups together, so a resume under another layout continues it.
 """
 
 from __future__ import annotations
@@ -270,10 +271,13 @@ def build_text_dataset(cfg: Any, tokenizer: Any, main_process_first: Callable | 
 class ParallelSampler(Sampler[int]):
     """Indices for one data-parallel group: disjoint across groups, identical within one.
 
-    Each epoch shuffles ``range(num_samples)`` with ``seed + epoch``, tops it up to a
-    multiple of ``dp_size`` with its first entries (only when ``dp_size`` does not divide
-    ``num_samples``, as DistributedSampler does) and gives group ``dp_rank`` every
-    ``dp_size``-th index. ``start`` skips this group's first samples (resuming mid-epoch).
+    Each epoch shuffles ``range(num_samples)`` with ``seed + epoch``; the groups take that order in turns,
+    group ``dp_rank`` every ``dp_size``-th index, so after any number of steps all groups together have
+    consumed a prefix of it. ``start`` (``set_epoch``) is the length of that prefix, all groups together:
+    the epoch continues from there, under this sampler's ``dp_size`` whatever the ``dp_size`` that consumed
+    the prefix (resuming mid-epoch under another layout). The rest is topped up to a multiple of ``dp_size``
+    with the epoch's first entries (only when ``dp_size`` does not divide it, as DistributedSampler does),
+    so every group takes the same number of samples.
     """
 
     def __init__(self, num_samples: int, dp_size: int = 1, dp_rank: int = 0, shuffle: bool = True,
@@ -285,26 +289,27 @@ class ParallelSampler(Sampler[int]):
         self.epoch, self.start = 0, 0
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Draw epoch ``epoch``'s order, from its sample ``start`` on (all groups together)."""
         self.epoch, self.start = epoch, start
 
-    @property
-    def per_group(self) -> int:
-        return math.ceil(self.num_samples / self.dp_size)
+    def order(self) -> list[int]:
+        """The epoch's order of every sample, before it is dealt to the groups."""
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=g).tolist()
 
     def indices(self) -> list[int]:
-        if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=g).tolist()
-        else:
-            order = list(range(self.num_samples))
-        order += order[: self.per_group * self.dp_size - self.num_samples]
-        return order[self.dp_rank:: self.dp_size][self.start:]
+        order = self.order()
+        rest = order[min(self.start, self.num_samples):]
+        rest += [order[i % len(order)] for i in range(-len(rest) % self.dp_size)]
+        return rest[self.dp_rank:: self.dp_size]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices())
 
     def __len__(self) -> int:
-        return self.per_group - self.start
+        return math.ceil(max(self.num_samples - self.start, 0) / self.dp_size)
 
 
 def _integers(samples: list[dict], key: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.failures import PeerFailure, failure_line, is_comm_failure, publish_notice, read_notices
+from .output import release_output_dir_locks
 
 EXIT_STOPPED = 1
 PREFIX = "lightseq-finetune: "  # the fine-tune's one-line reports (cli._fail) start so
@@ -140,6 +141,7 @@ def end_process(line: str, mark_read: Callable[[], None] = lambda: None) -> None
     try:
         mark_read()
     finally:
+        release_output_dir_locks()
         time.sleep(_LINGER_S)
         os._exit(EXIT_STOPPED)
 

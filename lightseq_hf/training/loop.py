@@ -49,10 +49,12 @@ from .failures import (
     tell_peers,
 )
 from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradient
+from .layout import DataLayout, place_resume
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
+from .output import release_output_dir_locks as release_locks
 from .planning import memory_advice
-from .saving import CheckpointError, read_completion_record
+from .saving import read_completion_record
 
 
 @dataclass
@@ -77,12 +79,13 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, int | None, str]:
-    """Main process: the checkpoint to resume from, its step (see prepare_output_dir) and the training data's
-    fingerprint."""
+def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, dict | None, str]:
+    """Main process: the checkpoint to resume from (see prepare_output_dir), its completion record's step
+    and metadata, and the training data's fingerprint."""
     resume = prepare_output_dir(cfg)
-    step = read_completion_record(resume)["step"] if resume is not None else None
-    return resume, step, data_fingerprint(cfg)
+    record = read_completion_record(resume) if resume is not None else None
+    saved = {"step": record["step"], **record.get("meta", {})} if record is not None else None
+    return resume, saved, data_fingerprint(cfg)
 
 
 class Trainer:
@@ -125,8 +128,9 @@ class Trainer:
         cfg, t = self.cfg, self.t
         with self.progress.phase("set-up", 0):
             self.groups = init_sequence_parallel(cfg.sp_size or self.world, timeout=self.timeout)
-            self.resume, self.resume_step, self.data_fingerprint = main_decides(
+            self.resume, self.saved, self.data_fingerprint = main_decides(
                 self.accelerator, lambda: _resume_point(cfg))
+        self.resume_step = self.saved["step"] if self.saved is not None else None
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
         model = build_model_or_explain(cfg, self.device)
         self.vocab_size = model.config.vocab_size
@@ -138,6 +142,11 @@ class Trainer:
         g = self.groups
         self.sampler = ParallelSampler(len(self.dataset), g.dp_size, g.dp_rank, shuffle=True, seed=t.seed)
         self.total_steps = count_steps(cfg, len(self.dataset), g.dp_size)
+        self.layout = DataLayout(self.world, g.sp_size, g.dp_size, t.batch_size, t.grad_accum, t.seed)
+        if self.saved is not None:  # where the epoch continues under this layout (ConfigError if it cannot)
+            self.place = place_resume(self.saved, self.layout, len(self.dataset), t.max_steps, t.epochs,
+                                      self.total_steps, self.resume)
+            self.total_steps = self.place.total_steps
 
     def _prepare_training(self) -> None:
         """Optimizer and schedule, accelerate's wrapping, the resumed state, metrics and FLOP counts.
@@ -157,14 +166,18 @@ class Trainer:
                 load_resume_state(acc, self.resume)
             check_same_data(self.state.data_fingerprint, self.data_fingerprint, self.resume)
             self.state.data_fingerprint = self.data_fingerprint
-            reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume)
+            if self.state.layout is None:  # a position counted per data-parallel group of this layout
+                self.state.samples_in_epoch *= self.groups.dp_size
+            reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume, self.place.why)
             if self.is_main:
                 s = self.state
+                verified = " (checksums verified)" if cfg.saving.checksums else ""
                 logger.info(f"resumed from {self.resume}: step {s.step}, epoch {s.epoch}, {s.tokens} tokens "
-                            "trained; weights, optimizer, scheduler and RNG states loaded"
-                            + (" (checksums verified)" if cfg.saving.checksums else ""))
+                            f"trained; weights, optimizer, scheduler and RNG states loaded{verified}; "
+                            f"{self.place.note}")
         else:
             self.state.schedule_steps, self.state.data_fingerprint = self.total_steps, self.data_fingerprint
+        self.state.layout = self.layout.to_dict()
         self.writer = MetricsWriter(self.out_dir / cfg.logging.metrics_file if self.is_main else None,
                                     self.state.step if self.resume is not None else None)
         g = self.groups
@@ -262,7 +275,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.state.step = step
-        self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches)
+        self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches) * self.groups.dp_size
         self.state.tokens += self.tokens_per_step
         return StepResult(loss, grad_norm, skipped, time.perf_counter() - tic, batches)
 
@@ -332,8 +345,8 @@ class Trainer:
         post = {"loss": f"{r.loss:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
         if "mfu" in rec:
             post["mfu"] = f"{rec['mfu']:.1%}"
-        if self.last_eval:
-            post["acc"] = f"{self.last_eval['accuracy']:.2f}"
+        if self.last_eval:  # the latest evaluation's accuracy, and the step it was measured at
+            post["acc"] = f"{self.last_eval['accuracy']:.2f}@step{self.last_eval['step']}"
         self.bar.set_postfix(post)
         self.bar.update(1)
         return rec
@@ -353,14 +366,8 @@ class Trainer:
     def save(self) -> Path:
         """``checkpoint-<step>/`` (see save_checkpoint); a failed write (a full disk) is a CheckpointError."""
         with self.progress.phase("checkpoint save", self.state.step):
-            try:
-                return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
-                                       self.out_dir)
-            except OSError as e:
-                raise CheckpointError(
-                    f"writing checkpoint-{self.state.step} in {self.out_dir} failed ({type(e).__name__}: "
-                    f"{e}); the checkpoints saved before are intact. Free space there, or save less "
-                    "(saving.every, saving.save_optimizer=false)") from e
+            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
+                                   self.out_dir)
 
     def _after_step(self) -> None:
         step, cfg = self.state.step, self.cfg
@@ -472,6 +479,7 @@ class Trainer:
             self.watch.stop()
         with self.progress.phase("finish", getattr(self, "state", TrainState()).step):
             self.accelerator.wait_for_everyone()
+        release_locks()
         self.accelerator.end_training()
 
 

@@ -3,6 +3,8 @@ metrics file, the summary and the loss plot. JSON written here is strict (no NaN
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import math
 import os
@@ -48,16 +50,18 @@ def existing_run(out_dir: Path, metrics_file: str) -> list[Path]:
 
 
 def check_writable(out_dir: Path, dry_run: bool) -> None:
-    """ConfigError unless ``out_dir`` can be created and written (``dry_run``: creates nothing)."""
+    """ConfigError unless ``out_dir`` can be created and written (``dry_run``: a probe file is written
+    and removed in it or in its nearest existing parent; nothing stays)."""
     try:
         if dry_run:
             parent = next(p for p in (out_dir, *out_dir.absolute().parents) if p.exists())
-            if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
-                raise PermissionError(f"{parent} is not a writable directory")
-            return
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".write-test-{os.getpid()}"
-        probe.write_text("ok")
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{parent} is not a directory")
+        else:
+            parent = out_dir
+            out_dir.mkdir(parents=True, exist_ok=True)
+        probe = parent / f".write-test-{os.getpid()}"
+        probe.write_text("ok")  # permissions alone do not say it (root, read-only mounts, /proc)
         probe.unlink()
     except OSError as e:
         raise ConfigError(f"output_dir: cannot write to {out_dir} ({e.strerror or e}); choose a writable "
@@ -69,9 +73,10 @@ _held_locks: dict[Path, int] = {}
 
 
 def lock_output_dir(out_dir: Path, dry_run: bool) -> None:
-    """One run at a time in ``out_dir``: an exclusive lock on its lock file, held until this process ends
-    (the system releases it then, after a crash too). ConfigError, naming the holder, when another process
-    holds it; ``dry_run`` only tests it."""
+    """One run at a time in ``out_dir``: an exclusive lock on its lock file, held until the run ends
+    (:func:`release_output_dir_locks`, called however it ends; the system releases the lock when the
+    process dies, and a file left by a killed process locks nothing). ConfigError, naming the holder, when
+    another process holds it; ``dry_run`` only tests it."""
     try:
         import fcntl
     except ImportError:  # no advisory locks on this platform
@@ -94,7 +99,19 @@ def lock_output_dir(out_dir: Path, dry_run: bool) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, f"process {os.getpid()} on {platform.node()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}"
              .encode())
+    if not _held_locks:
+        atexit.register(release_output_dir_locks)  # an exit through the interpreter's end
     _held_locks[key] = fd
+
+
+def release_output_dir_locks() -> None:
+    """Remove the lock files this process holds, then release their locks (the end of its runs)."""
+    for key, fd in list(_held_locks.items()):
+        with contextlib.suppress(OSError):  # removed while still locked: no other run can take it between
+            os.unlink(key / LOCK_FILE)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        del _held_locks[key]
 
 
 def _find_resume(cfg: FinetuneConfig, out_dir: Path, dry_run: bool) -> Path | None:

@@ -18,6 +18,7 @@ from .build import check_tokenizer_fits, count_steps, model_config
 from .checkpoints import check_same_data, check_schedule
 from .config import ConfigError, FinetuneConfig
 from .data import data_fingerprint, load_raw_dataset, load_tokenizer, require_tokenizer
+from .layout import DataLayout, check_resume_layout, place_resume
 from .saving import read_completion_record
 
 
@@ -43,20 +44,25 @@ def _model(cfg: FinetuneConfig) -> torch.nn.Module:
 
 
 def _resume_checks(cfg: FinetuneConfig, resume: Path, world: int | None) -> str:
-    """The data and the schedule against the checkpoint's; what was compared, in words."""
+    """The data, the layout and the schedule against the checkpoint's; what was compared, in words."""
     record = read_completion_record(resume)
-    meta = record.get("meta", {})
-    check_same_data(meta.get("data_fingerprint"), data_fingerprint(cfg), resume)
-    steps = None
-    if cfg.training.max_steps is not None:
-        steps = cfg.training.max_steps
-    elif cfg.data.type == "synthetic" and world:
-        steps = count_steps(cfg, cfg.data.synthetic.num_samples, world // (cfg.sp_size or world))
-    if steps is None:
-        return "resume data matches (the step count is known once the data is tokenized)"
-    changed = check_schedule(cfg, meta.get("schedule_steps"), steps, record["step"], resume)
-    return ("resume data matches, schedule " + (f"changes ({cfg.saving.on_schedule_change})" if changed
-                                                else "matches"))
+    saved = {"step": record["step"], **record.get("meta", {})}
+    check_same_data(saved.get("data_fingerprint"), data_fingerprint(cfg), resume)
+    if not world:
+        return "resume data matches (add --world-size N to check the layout and the schedule)"
+    t, sp = cfg.training, cfg.sp_size or world
+    now = DataLayout(world, sp, world // sp, t.batch_size, t.grad_accum, t.seed)
+    samples = cfg.data.synthetic.num_samples if cfg.data.type == "synthetic" else None
+    if t.max_steps is None and samples is None:
+        note = check_resume_layout(saved.get("layout"), now, saved.get("samples_in_epoch", 0),
+                                   saved.get("epoch", 0), resume)
+        return f"resume data matches, {note} (the step count is known once the data is tokenized)"
+    total = count_steps(cfg, samples, now.dp_size) if samples is not None else t.max_steps
+    place = place_resume(saved, now, samples or 0, t.max_steps, t.epochs, total, resume)
+    changed = check_schedule(cfg, saved.get("schedule_steps"), place.total_steps, record["step"], resume,
+                             place.why)
+    return (f"resume data matches, {place.note}, schedule "
+            + (f"changes ({cfg.saving.on_schedule_change})" if changed else "matches"))
 
 
 def preflight(cfg: FinetuneConfig, world: int | None, resume: Path | None) -> list[str]:
