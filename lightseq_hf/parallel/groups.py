@@ -22,7 +22,7 @@ from .._values import is_positive_int
 
 __all__ = [
     "ParallelGroups", "check_launched", "current_groups", "init_sequence_parallel", "launched_world_size",
-    "release_groups",
+    "process_rank", "release_groups",
 ]
 
 
