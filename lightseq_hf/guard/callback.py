@@ -13,8 +13,10 @@ from .gradients import sync_gradients
 from .parity import ParityError, check_parity, summary
 from .verdict import passed_line
 
+__all__ = ["ParityCallback"]
 
-def first_batch(dataloader: Any) -> dict[str, Any]:
+
+def _first_batch(dataloader: Any) -> dict[str, Any]:
     """The loader's collated first ``batch_size`` samples of its dataset, read without iterating the loader
     (its sampler and epoch state stay untouched); the same on every rank."""
     dataset = getattr(dataloader, "dataset", None)
@@ -25,7 +27,7 @@ def first_batch(dataloader: Any) -> dict[str, Any]:
     return dataloader.collate_fn([dataset[i] for i in range(min(size, len(dataset)))])
 
 
-def trainer_gradient_sync(args: Any, model: torch.nn.Module):
+def _trainer_gradient_sync(args: Any, model: torch.nn.Module):
     """How the Trainer will average this model's gradients, as ``check_parity``'s ``sync``.
 
     The callback gets the unwrapped model: under DDP (the Trainer's choice with several processes) its
@@ -61,8 +63,8 @@ class ParityCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         try:
-            self.report = check_parity(model, first_batch(train_dataloader), max_tokens=self.max_tokens,
-                                       rtol=self.rtol, sync=trainer_gradient_sync(args, model))
+            self.report = check_parity(model, _first_batch(train_dataloader), max_tokens=self.max_tokens,
+                                       rtol=self.rtol, sync=_trainer_gradient_sync(args, model))
         except ParityError as err:
             self.report = err.report
             if self.on_failure == "raise":

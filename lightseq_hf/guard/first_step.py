@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, PositiveFloat, PositiveInt
 from ..metrics import matmul_params, model_flops_per_step
 from .parity import check_parity, default_max_tokens
 
+__all__ = ["ParityConfig", "check_cost_fraction", "run_first_step_check"]
+
 
 class ParityConfig(BaseModel):
     """The ``parity`` section of a fine-tune config."""

@@ -15,6 +15,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .._values import check_group
 
+__all__ = ["SKETCH_DIM", "gradient_sketch", "is_sharded_gradient", "sync_gradients"]
+
 #: random projections per parameter in a gradient sketch
 SKETCH_DIM = 8
 _BUCKET_BYTES = 64 * 2**20

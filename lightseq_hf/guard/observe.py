@@ -17,12 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..patches.state import ATTN_IMPLEMENTATION
 
+__all__ = ["AttentionWatch"]
+
 #: the distributed attention forward, as a torch custom op (namespace, name)
-DIST_ATTENTION_OP = ("lightseq_hf", "dist_attn_fwd")
+_DIST_ATTENTION_OP = ("lightseq_hf", "dist_attn_fwd")
 
 
 @dataclass
-class AttentionCall:
+class _AttentionCall:
     """One run of the distributed attention: this rank's query tokens, its group's name, q's dtype."""
 
     local_length: int
@@ -36,7 +38,7 @@ class AttentionWatch(TorchDispatchMode):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.calls: dict[str, list[AttentionCall]] = {}
+        self.calls: dict[str, list[_AttentionCall]] = {}
         self.interface_calls: dict[str, int] = {}  # calls of the registered attention function per module
         self._current: str | None = None
         self._hooks: list = []
@@ -45,7 +47,7 @@ class AttentionWatch(TorchDispatchMode):
     def __enter__(self):
         from transformers.modeling_utils import AttentionInterface
 
-        for name, module in attention_modules(self.model):
+        for name, module in _attention_modules(self.model):
             self.calls[name] = []
             self.interface_calls[name] = 0
             self._hooks.append(module.register_forward_pre_hook(self._entered(name)))
@@ -76,17 +78,17 @@ class AttentionWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._current is not None and func.namespace == DIST_ATTENTION_OP[0] \
-                and func.name().split(".")[0] == "::".join(DIST_ATTENTION_OP):
+        if self._current is not None and func.namespace == _DIST_ATTENTION_OP[0] \
+                and func.name().split(".")[0] == "::".join(_DIST_ATTENTION_OP):
             named = dict(zip((a.name for a in func._schema.arguments), args))
             named.update(kwargs)
             query = named.get("q", args[0])
-            self.calls[self._current].append(AttentionCall(int(query.shape[1]), str(named.get("group", "")),
-                                                           query.dtype))
+            self.calls[self._current].append(_AttentionCall(int(query.shape[1]), str(named.get("group", "")),
+                                                            query.dtype))
         return func(*args, **kwargs)
 
 
-def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+def _attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The attention modules of ``model`` (class name ending in ``Attention``, innermost), by name."""
     found = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     inner = [(name, m) for name, m in found

@@ -41,8 +41,8 @@ from .reference import (
 from .state import preserved_state
 from .verdict import Findings, summary, verdict
 
-IGNORE_INDEX = -100  # the label transformers' losses skip
-logger = logging.getLogger("lightseq_hf")
+_IGNORE_INDEX = -100  # the label transformers' losses skip
+_logger = logging.getLogger("lightseq_hf")
 
 #: default relative tolerances by the attention's dtype. float32: the brief's 1e-5 (correct setups measure
 #: about 5e-7). bfloat16 and float16: about 3.5x the worst error of 80 correct checks each (40 with weights
@@ -52,10 +52,10 @@ logger = logging.getLogger("lightseq_hf")
 DEFAULT_RTOL = {torch.float32: 1e-5, torch.bfloat16: 0.1, torch.float16: 0.0125}
 #: the precision of the unsharded run that measures what the attention's rounding changes (the tolerance's
 #: yardstick, :mod:`.verdict`), by the attention's dtype
-PRECISE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
+_PRECISE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
 #: default prefix: this fraction of a fine-tune micro-batch's cost (sharded + unsharded passes)
-COST_FRACTION = 0.04
-MIN_TOKENS_PER_RANK = 16
+_COST_FRACTION = 0.04
+_MIN_TOKENS_PER_RANK = 16
 
 __all__ = ["DEFAULT_RTOL", "ParityError", "check_parity", "default_max_tokens", "summary"]
 
@@ -69,13 +69,13 @@ class ParityError(RuntimeError):
 
 
 def default_max_tokens(rows: int, length: int, sp_size: int) -> int:
-    """Tokens whose two passes cost about ``COST_FRACTION`` of one micro-batch of ``rows x length``.
+    """Tokens whose two passes cost about ``_COST_FRACTION`` of one micro-batch of ``rows x length``.
 
     Per rank, the micro-batch costs ``T / P`` token-passes and the check ``n / P`` (sharded) plus ``n``
-    (unsharded): ``n = f T / (1 + P)``, and at least ``MIN_TOKENS_PER_RANK`` per rank.
+    (unsharded): ``n = f T / (1 + P)``, and at least ``_MIN_TOKENS_PER_RANK`` per rank.
     """
     tokens = rows * length
-    return min(tokens, max(int(COST_FRACTION * tokens / (1 + sp_size)), MIN_TOKENS_PER_RANK * sp_size))
+    return min(tokens, max(int(_COST_FRACTION * tokens / (1 + sp_size)), _MIN_TOKENS_PER_RANK * sp_size))
 
 
 def check_parity(
@@ -130,7 +130,7 @@ def check_parity(
         floats = [p.dtype for p in params if p.is_floating_point()]
         dtype = dtypes[0] if dtypes else (floats or [torch.float32])[0]
         reference = _reference_passes(model, target, attention, unpacked_documents(inputs, docs) or inputs,
-                                      params, seed, PRECISE.get(dtype))
+                                      params, seed, _PRECISE.get(dtype))
     calls = {name: [(c.local_length, c.group) for c in found] for name, found in watch.calls.items()}
     tolerance = rtol if rtol is not None else DEFAULT_RTOL.get(dtype, 1e-5)
     error, loss_ref, sketch_ref, norms_ref, loss_precise, sketch_precise = reference
@@ -175,7 +175,7 @@ def _prepare(batch: dict[str, Any], max_tokens: int | None, sp_size: int, device
         raise ValueError(f"the parity check needs rows of at least 2 tokens (a next-token loss); the batch's "
                          f"rows have {length}.")
     prefix = take_prefix(batch, max_tokens or default_max_tokens(rows, length, sp_size),
-                         min(length, MIN_TOKENS_PER_RANK * sp_size))
+                         min(length, _MIN_TOKENS_PER_RANK * sp_size))
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in prefix.batch.items()}
     return prefix, inputs, _label_tokens(inputs, prefix.tokens)
 
@@ -194,9 +194,9 @@ def _label_tokens(inputs: dict[str, Any], tokens: int) -> str:
     nothing): the batch's labels when the prefix has one, else next-token labels from ``input_ids``
     (padding excluded). Returns which labels the check uses."""
     labels, shifted = inputs.get("labels"), inputs.get("shift_labels")
-    if shifted is not None and bool((shifted != IGNORE_INDEX).any()):
+    if shifted is not None and bool((shifted != _IGNORE_INDEX).any()):
         return "shift_labels"
-    if shifted is None and labels is not None and bool((labels[..., 1:] != IGNORE_INDEX).any()):
+    if shifted is None and labels is not None and bool((labels[..., 1:] != _IGNORE_INDEX).any()):
         return "labels"
     ids = inputs.get("input_ids")
     if ids is None:
@@ -205,7 +205,7 @@ def _label_tokens(inputs: dict[str, Any], tokens: int) -> str:
     mask = inputs.get("attention_mask")
     inputs.pop("shift_labels", None)
     padded = mask is not None and mask.dim() == 2
-    inputs["labels"] = ids.masked_fill(mask == 0, IGNORE_INDEX) if padded else ids
+    inputs["labels"] = ids.masked_fill(mask == 0, _IGNORE_INDEX) if padded else ids
     given = "no labels were given" if labels is None and shifted is None else "no label in the prefix"
     return f"input_ids ({given})"
 
@@ -306,7 +306,7 @@ def _nothing_split(gathered: list[tuple[int, tuple[int, ...], str | None]]) -> d
             f"under a launch of {world} processes (data parallelism only), so each runs whole sequences and "
             "nothing is split; use groups of several ranks (lightseq_hf.init_sequence_parallel(sp_size) with "
             "sp_size > 1, or none: the whole world) to split them.")
-    logger.warning(note)
+    _logger.warning(note)
     return {"compared": False, "note": note, "sp_size": 1, "world_size": world}
 
 

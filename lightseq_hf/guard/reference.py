@@ -27,7 +27,10 @@ from ..checkpoint import as_hf, hf_checkpoint_parts
 from ..patches.state import ATTN_IMPLEMENTATION, as_unpatched
 from ..patches.tiled_mlp import TiledForward
 
-IGNORE_INDEX = -100  # the label Transformers' losses skip
+__all__ = ["CU_KEYS", "SEQUENCE_KEYS", "attention_upcast", "batch_shape", "document_ids",
+           "reference_attention", "take_prefix", "unpacked_documents", "unpatched_model"]
+
+_IGNORE_INDEX = -100  # the label Transformers' losses skip
 #: batch entries laid out as (batch, length, ...): cut to the prefix with the rows
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels",
                  "token_type_ids")
@@ -35,7 +38,7 @@ CU_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
 @dataclass(frozen=True)
-class Prefix:
+class _Prefix:
     """What the check runs on: the first ``rows`` rows, ``length`` tokens each, of a (rows x full) batch."""
 
     batch: dict[str, Any]
@@ -60,7 +63,7 @@ def batch_shape(batch: dict[str, Any]) -> tuple[int, int]:
     return int(full.shape[0]), int(full.shape[1])
 
 
-def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> Prefix:
+def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> _Prefix:
     """The batch itself if it holds at most ``max_tokens`` tokens, else rows of ``keep`` tokens each: every
     row at ``max_tokens // rows`` tokens when that is at least ``min_length``, else fewer rows, those with
     real tokens first. A row's kept tokens start at its first real token (a left-padded row's first
@@ -68,7 +71,7 @@ def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> Pref
     first tokens."""
     rows, length = batch_shape(batch)
     if rows * length <= max_tokens:
-        return Prefix(dict(batch), rows, length, rows, length)
+        return _Prefix(dict(batch), rows, length, rows, length)
     keep = min(length, max(max_tokens // rows, min_length))
     keep_rows = max(1, min(rows, max_tokens // keep))
     packed = any(batch.get(k) is not None for k in CU_KEYS)
@@ -87,7 +90,7 @@ def take_prefix(batch: dict[str, Any], max_tokens: int, min_length: int) -> Pref
         elif key in ("max_length_q", "max_length_k") and batch.get("cu_seq_lens_q") is not None:
             value = int(_clip_cumulative(batch["cu_seq_lens_q"], keep).diff().max())
         cut[key] = value
-    return Prefix(cut, keep_rows, keep, rows, length)
+    return _Prefix(cut, keep_rows, keep, rows, length)
 
 
 def _kept_rows(mask: Any, rows: int, length: int, keep: int) -> tuple[list[int], list[int]]:
@@ -174,11 +177,11 @@ def unpacked_documents(batch: dict[str, Any], docs: torch.Tensor) -> dict[str, A
                  else positions.reshape(-1, length).expand(rows, length))
     shifted = batch.get("shift_labels")
     if shifted is None:
-        shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        shifted = torch.nn.functional.pad(batch["labels"][:, 1:], (0, 1), value=_IGNORE_INDEX)
     width = max(len(index) for _, index in pieces) + 1
     out = {"attention_mask": torch.zeros(len(pieces), width, dtype=torch.long, device=full.device),
            "position_ids": torch.zeros(len(pieces), width, dtype=positions.dtype, device=full.device),
-           "labels": torch.full((len(pieces), width), IGNORE_INDEX, dtype=shifted.dtype, device=full.device)}
+           "labels": torch.full((len(pieces), width), _IGNORE_INDEX, dtype=shifted.dtype, device=full.device)}
     rows_of = torch.zeros(len(pieces), width, *full.shape[2:], dtype=full.dtype, device=full.device)
     for i, (r, index) in enumerate(pieces):
         n, where = len(index), index.to(full.device)

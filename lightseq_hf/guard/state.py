@@ -10,9 +10,11 @@ from collections.abc import Iterator
 
 import torch
 
+__all__ = ["preserved_state"]
+
 #: module attributes holding the probability or scale of a draw made in training mode (dropout, layer drop,
 #: router and input jitter)
-NOISE_ATTRIBUTE = re.compile(r"dropout|drop_prob|pdrop|layerdrop|jitter")
+_NOISE_ATTRIBUTE = re.compile(r"dropout|drop_prob|pdrop|layerdrop|jitter")
 
 
 def _numpy_random():
@@ -25,7 +27,7 @@ def _numpy_random():
 
 @contextlib.contextmanager
 def preserved_state(model: torch.nn.Module) -> Iterator[None]:
-    """Run the body with no random draws (:func:`without_noise`) and no gradients on the parameters;
+    """Run the body with no random draws (:func:`_without_noise`) and no gradients on the parameters;
     afterwards restore, bit for bit, each parameter's gradient (the same tensor object, its values copied
     back in case backward wrote into shared storage, as DDP's bucket views do), the buffers, each module's
     training mode and the zeroed attributes, and the torch CPU and CUDA, Python and NumPy random states."""
@@ -39,7 +41,7 @@ def preserved_state(model: torch.nn.Module) -> Iterator[None]:
     params = [p for p in model.parameters()]
     grads = [(p.grad, p.grad.detach().clone() if p.grad is not None else None) for p in params]
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    noise = without_noise(model)
+    noise = _without_noise(model)
     try:
         for p in params:
             p.grad = None
@@ -64,7 +66,7 @@ def preserved_state(model: torch.nn.Module) -> Iterator[None]:
             numpy_random.set_state(numpy_rng)
 
 
-def without_noise(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float]]:
+def _without_noise(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float]]:
     """Turn off what ``model`` draws at random in training mode, keeping gradient checkpointing: every
     module that neither checkpoints (a ``gradient_checkpointing`` attribute: decoder layers and stacks)
     nor contains one that does goes to eval mode (dropout, sampled expert routing), and the modules that
@@ -79,7 +81,7 @@ def without_noise(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, fl
             module.training = False
             continue
         for attribute, value in vars(module).items():
-            if NOISE_ATTRIBUTE.search(attribute) and isinstance(value, float) and value > 0:
+            if _NOISE_ATTRIBUTE.search(attribute) and isinstance(value, float) and value > 0:
                 zeroed.append((module, attribute, value))
     for module, attribute, _ in zeroed:
         setattr(module, attribute, 0.0)

@@ -17,10 +17,12 @@ import torch
 
 from .gradients import SKETCH_DIM
 
+__all__ = ["Findings", "passed_line", "summary", "verdict"]
+
 #: checks also run the unsharded model with its attention at a higher precision (bfloat16 and float16 in
-#: float32, float32 in float64; :data:`~.parity.PRECISE`). The relative change that rounding makes to the
+#: float32, float32 in float64; :data:`~.parity._PRECISE`). The relative change that rounding makes to the
 #: loss, and the largest it makes to a parameter kind's gradients (every layer's copy of a weight), is the
-#: yardstick, and the tolerance is ``max(rtol, NOISE_FACTOR x yardstick)``: deep random-weight models
+#: yardstick, and the tolerance is ``max(rtol, _NOISE_FACTOR x yardstick)``: deep random-weight models
 #: amplify every rounding in the key projections' gradients, and the sharded path rounds more than one
 #: kernel (partial outputs merged across ranks) and runs nondeterministic backward kernels. Llama-2-7B
 #: shape, FSDP2 bf16 on 2 x H100, 436-873 tokens (2026-11-25): the worst gradient errors 0.068-0.171 were
@@ -28,11 +30,11 @@ from .gradients import SKETCH_DIM
 #: attention's rounding only; a model that amplifies its other roundings more gains on it: a tiny random
 #: Gemma 4 (attention unscaled after its query/key norms, float32, 2 gloo processes, torch 2.13 CPU,
 #: transformers 5.24, 2026-11-28) measured 9.4x in its embedding's gradient and 8.5x in a query norm's.
-NOISE_FACTOR = 10.0
+_NOISE_FACTOR = 10.0
 #: a parameter's gradient error is relative to its norm, or to this fraction of the largest one if larger
-GRADIENT_FLOOR = 1e-3
+_GRADIENT_FLOOR = 1e-3
 #: gradients that are all one multiple of the unsharded ones, this far from 1x, are reported as scaled
-SCALE_HINT = 0.25
+_SCALE_HINT = 0.25
 
 
 @dataclass
@@ -95,20 +97,20 @@ def verdict(findings: list[Findings], prefix, rtol: float, names: list[str],
 
 def _gradient_message(worst: dict, reference: str, rtol: float) -> str:
     name = worst["parameter"]
-    layer = layer_of(name)
+    layer = _layer_of(name)
     text = (f"the gradient of {name}{'' if layer is None else f' (layer {layer})'} differs from {reference} "
             f"by {worst['grad']:.2e} (relative; tolerance {_tolerance_text(rtol, worst['noise'])}; worst of "
             "all parameters")
     if worst["layers"]:
         text += "; layers over tolerance: " + ", ".join(str(n) for n in sorted(worst["layers"]))
     text += ")"
-    if worst.get("scaled") and abs(worst["scale"] - 1) > SCALE_HINT:
+    if worst.get("scaled") and abs(worst["scale"] - 1) > _SCALE_HINT:
         text += (f"; the gradients are {worst['scale']:.2f}x the unsharded ones: does the gradient sync sum "
                  "where it should average?")
     return text
 
 
-def layer_of(name: str) -> int | None:
+def _layer_of(name: str) -> int | None:
     """The layer number in a parameter's name (``model.layers.3.mlp...`` -> 3), if any."""
     found = re.search(r"\.(\d+)\.", name)
     return None if found is None else int(found.group(1))
@@ -117,8 +119,8 @@ def layer_of(name: str) -> int | None:
 def _tolerance_text(rtol: float, noise: float) -> str:
     if not noise:
         return f"{rtol:.0e}"
-    bound = max(rtol, NOISE_FACTOR * noise)
-    return (f"{bound:.2e} = max(rtol {rtol:.0e}, {NOISE_FACTOR:g} x {noise:.2e}, the largest change one "
+    bound = max(rtol, _NOISE_FACTOR * noise)
+    return (f"{bound:.2e} = max(rtol {rtol:.0e}, {_NOISE_FACTOR:g} x {noise:.2e}, the largest change one "
             "attention kernel's rounding makes)")
 
 
@@ -136,7 +138,7 @@ def _loss_failures(mine: list[Findings], rtol: float, worst: dict) -> list[str]:
         noise = abs(f.loss_precise - f.loss_reference) / denominator if f.loss_precise is not None else 0.0
         noise = noise if math.isfinite(noise) else 0.0
         if error >= worst["loss"]:
-            worst.update(loss=error, loss_noise=noise, loss_tolerance=max(rtol, NOISE_FACTOR * noise))
+            worst.update(loss=error, loss_noise=noise, loss_tolerance=max(rtol, _NOISE_FACTOR * noise))
     return failures
 
 
@@ -148,7 +150,7 @@ def _gradient_failures(findings: list[Findings], names: list[str], rtol: float, 
     """Compare each rank's gradients with the mean over all ranks of the unsharded runs' (each rank's own
     under FSDP, whose shards its backward averaged); updates ``worst``."""
     norms = torch.stack([f.norms_reference for f in findings]).mean(0)
-    floor = GRADIENT_FLOOR * float(norms.max())
+    floor = _GRADIENT_FLOOR * float(norms.max())
     if floor == 0:
         return ["no parameter received a gradient in the unsharded run (the check reads param.grad: "
                 "DeepSpeed keeps gradients elsewhere)"]
@@ -168,10 +170,10 @@ def _gradient_failures(findings: list[Findings], names: list[str], rtol: float, 
         if sketch_precise is not None:
             changes = (sketch_precise - sketch_ref).square().mean(-1).sqrt() / bound_scale
             noise = _kind_noise(changes.nan_to_num(nan=0.0), names)
-        tolerance = (NOISE_FACTOR * noise).clamp(min=rtol)
+        tolerance = (_NOISE_FACTOR * noise).clamp(min=rtol)
         excess = errors / tolerance
         _note_kinds(worst.setdefault("kinds", {}), names, errors, tolerance)
-        worst["layers"] |= {layer_of(n) for n, e in zip(names, excess.tolist()) if e > 1} - {None}
+        worst["layers"] |= {_layer_of(n) for n, e in zip(names, excess.tolist()) if e > 1} - {None}
         if excess.numel() and float(excess.max()) >= worst["excess"]:
             i = int(excess.argmax())
             worst.update(excess=float(excess[i]), grad=float(errors[i]), tolerance=float(tolerance[i]),
@@ -192,7 +194,7 @@ def _unsynced_failures(mine: list[Findings], names: list[str], rtol: float, wors
     ranks hold different shards); updates ``worst``."""
     if mine[0].sharded_grads:
         return []
-    floor = GRADIENT_FLOOR * float(mine[0].norms_reference.max())
+    floor = _GRADIENT_FLOOR * float(mine[0].norms_reference.max())
     scale = mine[0].norms_reference.clamp(min=floor if floor > 0 else 1.0)
     for f in mine[1:]:
         spread = ((f.sketch - mine[0].sketch).square().mean(-1).sqrt() / scale).nan_to_num(nan=math.inf)
@@ -203,7 +205,7 @@ def _unsynced_failures(mine: list[Findings], names: list[str], rtol: float, wors
     return []
 
 
-def parameter_kind(name: str) -> str:
+def _parameter_kind(name: str) -> str:
     """A parameter's name with its layer numbers starred: the layers' copies of one weight are one kind."""
     return re.sub(r"\.\d+(?=\.)", ".*", name)
 
@@ -211,7 +213,7 @@ def parameter_kind(name: str) -> str:
 def _kind_noise(changes: torch.Tensor, names: list[str]) -> torch.Tensor:
     """Each parameter's yardstick: the largest rounding change among the parameters of its kind (one
     layer's change is a single sample; its kind's largest is a stable bound)."""
-    kinds = [parameter_kind(n) for n in names]
+    kinds = [_parameter_kind(n) for n in names]
     largest: dict[str, float] = {}
     for kind, change in zip(kinds, changes.tolist()):
         largest[kind] = max(largest.get(kind, 0.0), change)
@@ -221,7 +223,7 @@ def _kind_noise(changes: torch.Tensor, names: list[str]) -> torch.Tensor:
 def _note_kinds(kinds: dict, names: list[str], errors: torch.Tensor, tolerance: torch.Tensor) -> None:
     """Keep, per parameter kind, the worst error and its tolerance (the report's ``grad_by_kind``)."""
     for name, error, bound in zip(names, errors.tolist(), tolerance.tolist()):
-        kind = parameter_kind(name)
+        kind = _parameter_kind(name)
         if error >= kinds.get(kind, {"error": -1.0})["error"]:
             kinds[kind] = {"error": float(f"{error:.3g}"), "tolerance": float(f"{bound:.3g}")}
 
