@@ -20,6 +20,7 @@ from doc_reference import random_docs
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from lightseq_hf._testing import kernel_knobs
 from lightseq_hf.kernels import (
     AttentionMask,
     DeviceClass,
@@ -332,14 +333,14 @@ def test_refusals_name_the_problem_in_one_line(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     docs = KernelRequest(cuda, torch.bfloat16, 128, 128, MaskKind.DOCUMENTS)
     monkeypatch.setattr(flash_varlen, "usable", lambda device: False)  # no probe on this CPU build
-    monkeypatch.setattr(cudnn_fe, "_loaded", {})
-    with mock.patch.object(cudnn_fe, "load_ops", side_effect=ModuleNotFoundError("no", name="cudnn")):
+    with kernel_knobs.cudnn_fe_unloaded(), \
+            mock.patch.object(cudnn_fe, "load_ops", side_effect=ModuleNotFoundError("no", name="cudnn")):
         with pytest.raises(ValueError, match=r"^backend 'cudnn_fe' needs the nvidia-cudnn-frontend package "
                                              r"\(pip install 'lightseq_hf\[cudnn\]'\), which is not "
                                              r"installed; use backend="):
             select_backend("cudnn_fe", docs)
-    with pytest.raises(ValueError, match=r"^backend 'cudnn_fe' needs a CUDA GPU; tensors are on cpu"):
-        select_backend("cudnn_fe", KernelRequest(cpu, torch.bfloat16, 64, 64, MaskKind.DOCUMENTS))
+        with pytest.raises(ValueError, match=r"^backend 'cudnn_fe' needs a CUDA GPU; tensors are on cpu"):
+            select_backend("cudnn_fe", KernelRequest(cpu, torch.bfloat16, 64, 64, MaskKind.DOCUMENTS))
     monkeypatch.setattr(cudnn_fe, "unavailable_reason", lambda: None)
     half = torch.bfloat16
     for request, words in ((KernelRequest(cuda, torch.float32, 128, 128), "takes bfloat16, float16"),
@@ -404,8 +405,6 @@ def test_training_config_takes_the_backend():
 def test_the_op_call_recorder_of_the_internal_surface(monkeypatch):
     """``lightseq_hf._testing.kernel_knobs.cudnn_fe_op_calls`` (the GPU tests read the op calls through it)
     records the calls made inside it and puts the ops back."""
-    from lightseq_hf._testing import kernel_knobs
-
     emu = install(monkeypatch.setattr)
     q = torch.randn(1, 70, 2, 8, dtype=torch.float64)
     blocks = make_doc_blocks((6, 64), (6, 64), slice(0, 70), slice(0, 70), True, "cpu")

@@ -14,11 +14,12 @@ triton = pytest.importorskip("triton", reason="triton is not installed")
 
 from kernel_checks import PoisonEmpty  # noqa: E402
 
+from lightseq_hf._testing.kernel_knobs import triton_kernels  # noqa: E402
 from lightseq_hf.kernels import get_kernel, triton_attn  # noqa: E402
 from lightseq_hf.kernels.reference import ReferenceKernel  # noqa: E402
 from lightseq_hf.kernels.triton_common import bucket  # noqa: E402
 
-if type(triton_attn._attn_fwd.fn).__name__ != "InterpretedFunction":
+if type(triton_kernels()["fwd"].fn).__name__ != "InterpretedFunction":
     pytest.skip(
         "triton kernels were imported outside the interpreter (TRITON_INTERPRET=0)", allow_module_level=True
     )
@@ -393,13 +394,11 @@ def test_dkdv_split_over_query_rows_matches_reference(split):
         assert rel_err(dk - base[0], ref[1]) < 1e-4 and rel_err(dv - base[1], ref[2]) < 1e-4
 
 
-def test_dkdv_split_heuristic(monkeypatch):
-    monkeypatch.setattr(triton_attn, "_multiprocessors", lambda device: 132)
-    cuda = torch.device("cuda")
+def test_dkdv_split_heuristic():
+    sms = 132
     # a whole chunk of keys: enough programs already
-    assert triton_attn.dkdv_split(32768, 32768, 8, cuda) == 1
+    assert triton_attn.dkdv_split(32768, 32768, 8, sms) == 1
     # a long document's 554 keys seen by 20114 rows: 5 key blocks x 8 heads = 40 programs -> 7 parts
-    assert triton_attn.dkdv_split(20114, 554, 8, cuda) == 7
+    assert triton_attn.dkdv_split(20114, 554, 8, sms) == 7
     # few query rows: no split below 16 query blocks per part
-    assert triton_attn.dkdv_split(600, 554, 8, cuda) == 1
-    assert triton_attn.dkdv_split(20114, 554, 8, torch.device("cpu")) == 1
+    assert triton_attn.dkdv_split(600, 554, 8, sms) == 1

@@ -9,6 +9,7 @@ The library reads no environment variable for these; a test or benchmark calls t
 - :func:`triton_kernels`: the Triton kernels themselves, for compile checks and resource reports.
 - :func:`cudnn_backward_fell_back`: whether the ``sdpa_cudnn`` backend's backward has switched to flash.
 - :func:`cudnn_fe_op_calls`: the calls the ``cudnn_fe`` backend makes to the nvidia-cudnn-frontend ops.
+- :func:`cudnn_fe_unloaded`: the ``cudnn_fe`` backend as before its first load of that package.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from dataclasses import replace
 from typing import Any
 
 __all__ = [
-    "AUTOTUNED", "cudnn_backward_fell_back", "cudnn_fe_op_calls", "force_dkdv_split", "single_triton_config",
-    "triton_kernels",
+    "AUTOTUNED", "cudnn_backward_fell_back", "cudnn_fe_op_calls", "cudnn_fe_unloaded", "force_dkdv_split",
+    "single_triton_config", "triton_kernels",
 ]
 
 #: the autotuned Triton attention kernels, by name
@@ -82,3 +83,19 @@ def cudnn_fe_op_calls() -> Iterator[list[dict]]:
         yield calls
     finally:
         cudnn_fe._loaded["ops"] = ops
+
+
+@contextmanager
+def cudnn_fe_unloaded() -> Iterator[None]:
+    """Inside, the ``cudnn_fe`` backend has not loaded the nvidia-cudnn-frontend package yet: its next use
+    calls ``cudnn_fe.load_ops`` (replace that to see how a failed load is reported). What it had loaded
+    comes back when the block ends."""
+    from ..kernels import cudnn_fe
+
+    saved = dict(cudnn_fe._loaded)
+    cudnn_fe._loaded.clear()
+    try:
+        yield
+    finally:
+        cudnn_fe._loaded.clear()
+        cudnn_fe._loaded.update(saved)

@@ -40,13 +40,13 @@ from .device_class import DeviceClass, device_class
 __all__ = ["ALIASES", "REGISTRY", "Row", "Selection", "TABLE", "backend_names", "describe", "kernel_named",
            "refusal", "register_backend", "select_backend", "unregister_backend"]
 
-ALL_MASKS = frozenset(MaskKind)
-DENSE = frozenset({MaskKind.CAUSAL, MaskKind.FULL})
-PACKED = frozenset({MaskKind.DOCUMENTS})
-HALF = frozenset({torch.float16, torch.bfloat16})
-FRONTEND = "nvidia-cudnn-frontend"
-HOPPER = (9, 0)
-AMPERE = (8, 0)
+_ALL_MASKS = frozenset(MaskKind)
+_DENSE = frozenset({MaskKind.CAUSAL, MaskKind.FULL})
+_PACKED = frozenset({MaskKind.DOCUMENTS})
+_HALF = frozenset({torch.float16, torch.bfloat16})
+_FRONTEND = "nvidia-cudnn-frontend"
+_HOPPER = (9, 0)
+_AMPERE = (8, 0)
 
 
 def _loader(module: str, cls: str, *args) -> Callable[[], AttentionKernel]:
@@ -79,7 +79,7 @@ class Row:
     backend: str
     device: str = "cuda"
     capability: tuple[int, int] | None = None
-    masks: frozenset[MaskKind] = ALL_MASKS
+    masks: frozenset[MaskKind] = _ALL_MASKS
     dtypes: frozenset[torch.dtype] | None = None
     head_dims: frozenset[int] | None = None
     min_capability: tuple[int, int] | None = None
@@ -119,37 +119,37 @@ _PACKED = "benchmarks/results/packed-kernels-h100-2026-11-26.json"
 #: call (head dim, softcap, ...) or cannot run (no package, no op in this torch build) are passed over.
 TABLE: list[Row] = [
     # measured: compute capability 9.0 (H100, H200, GH200, H20)
-    Row("sdpa_cudnn", capability=HOPPER, masks=DENSE, dtypes=HALF, head_dims=frozenset({64, 128}),
+    Row("sdpa_cudnn", capability=_HOPPER, masks=_DENSE, dtypes=_HALF, head_dims=frozenset({64, 128}),
         min_cudnn=91900,
         evidence=f"{_KERNELS}: forward+backward 1.19-2.02x faster than our Triton kernels and 1.49-2.07x "
                  "than FlashAttention-2 on every row (4K-64K tokens, heads 32/32, 32/8, 8/8, 8/2, d64 and "
                  "d128, causal and full; H100, cuDNN 9.19); kernels-h100-2026-11-26-gqa.json: the same at "
                  "16K-32K, heads 32/8"),
-    Row("cudnn_fe", capability=HOPPER, masks=PACKED, dtypes=HALF, head_dims=frozenset({64, 128}),
-        packages=frozenset({FRONTEND}),
+    Row("cudnn_fe", capability=_HOPPER, masks=_PACKED, dtypes=_HALF, head_dims=frozenset({64, 128}),
+        packages=frozenset({_FRONTEND}),
         evidence=f"{_PACKED}: fastest registered backend on every row, 1.06-1.51x our Triton kernels and "
                  "1.16-1.57x FlashAttention-2 varlen (16K-128K tokens, heads 32/32 and 32/8, d64 and d128; "
                  "H100, cuDNN 9.19, nvidia-cudnn-frontend 1.32.0); "
                  "packed-kernels-h100-2026-11-26-stream.json: 100 changing rows with graph builds, median "
                  "step 32.0 against Triton's 43.3 ms"),
-    Row("triton", capability=HOPPER, masks=PACKED, dtypes=HALF, head_dims=frozenset({128}),
+    Row("triton", capability=_HOPPER, masks=_PACKED, dtypes=_HALF, head_dims=frozenset({128}),
         evidence=f"{_PACKED} and packed-kernels-h100-2026-11-25.json, without nvidia-cudnn-frontend, "
                  "d128: our Triton kernels 1.03-1.16x faster than FlashAttention-2 varlen at 64K-128K "
                  "tokens and 1.10-1.11x at 16K-32K with heads 32/32; FlashAttention-2 varlen 1.02-1.11x "
                  "faster at 16K-32K with heads 32/8"),
-    Row("flash_varlen", capability=HOPPER, masks=PACKED, dtypes=HALF, head_dims=frozenset({64}),
+    Row("flash_varlen", capability=_HOPPER, masks=_PACKED, dtypes=_HALF, head_dims=frozenset({64}),
         evidence=f"{_PACKED} and packed-kernels-h100-2026-11-25.json, without nvidia-cudnn-frontend, "
                  "d64 at 64K tokens: FlashAttention-2 varlen 1.09-1.13x faster than our Triton kernels"),
     # the vendor kernels: any class without a measured row
-    Row("sdpa_cudnn", masks=DENSE, min_capability=AMPERE, min_cudnn=90000,
+    Row("sdpa_cudnn", masks=_DENSE, min_capability=_AMPERE, min_cudnn=90000,
         why="the vendor kernel for dense masks: cuDNN attention through torch"),
-    Row("sdpa_flash", masks=DENSE, min_capability=AMPERE,
+    Row("sdpa_flash", masks=_DENSE, min_capability=_AMPERE,
         why="the vendor kernel for dense masks where torch's cuDNN attention is not available: "
             "FlashAttention-2"),
-    Row("cudnn_fe", masks=PACKED, min_capability=AMPERE, packages=frozenset({FRONTEND}),
+    Row("cudnn_fe", masks=_PACKED, min_capability=_AMPERE, packages=frozenset({_FRONTEND}),
         why="the vendor kernel for packed documents: cuDNN's variable-length attention "
             "(nvidia-cudnn-frontend)"),
-    Row("flash_varlen", masks=PACKED, min_capability=AMPERE,
+    Row("flash_varlen", masks=_PACKED, min_capability=_AMPERE,
         why="the vendor kernel for packed documents without nvidia-cudnn-frontend: torch's "
             "FlashAttention-2 varlen kernels"),
     # the last resorts

@@ -50,6 +50,10 @@ import torch
 from .row_stats import ROW_PASS, attention_delta, stand_in_output  # noqa: F401 (re-exported)
 from .working_memory import BackwardMemory
 
+__all__ = ["AttentionKernel", "AttentionMask", "Capabilities", "DocBlocks", "KernelBase", "KernelRequest",
+           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "attention_delta", "check_key_range", "check_qkv",
+           "check_softcap", "make_doc_blocks", "merge_into", "stand_in_output"]
+
 KeyRange = tuple[torch.Tensor, torch.Tensor]
 Rows = torch.Tensor | slice
 
@@ -337,9 +341,9 @@ class AttentionKernel(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def call_mask(mask: AttentionMask | None, causal: bool | None, key_range: KeyRange | None = None,
-              doc_blocks: DocBlocks | None = None, window: int | None = None,
-              softcap: float | None = None) -> AttentionMask:
+def _call_mask(mask: AttentionMask | None, causal: bool | None, key_range: KeyRange | None = None,
+               doc_blocks: DocBlocks | None = None, window: int | None = None,
+               softcap: float | None = None) -> AttentionMask:
     """The mask of one kernel call: ``mask`` as given, or the one its keywords describe (direct calls)."""
     if mask is None:
         if causal is None:
@@ -356,7 +360,7 @@ def call_mask(mask: AttentionMask | None, causal: bool | None, key_range: KeyRan
 
 
 class KernelBase:
-    """Base of every backend: takes the :class:`AttentionMask` (:func:`call_mask`), checks q, k, v
+    """Base of every backend: takes the :class:`AttentionMask` (:func:`_call_mask`), checks q, k, v
     (:func:`check_qkv`), refuses what ``capabilities`` does not declare (:meth:`check_call`: the only
     device, dtype, head-dim and mask checks a backend needs), and calls ``_forward`` / ``_backward``.
 
@@ -389,14 +393,14 @@ class KernelBase:
 
     def forward(self, q, k, v, *, scale, mask=None, out=None, lse=None, causal=None, key_range=None,
                 doc_blocks=None, window=None, softcap=None):
-        mask = call_mask(mask, causal, key_range, doc_blocks, window, softcap)
+        mask = _call_mask(mask, causal, key_range, doc_blocks, window, softcap)
         check_qkv(q, k, v)
         self.check_call(mask, q, v)
         return self._forward(q, k, v, mask, scale=scale, out=out, lse=lse)
 
     def backward(self, dout, q, k, v, out, lse, *, scale, mask=None, delta=None, dq=None, dk=None, dv=None,
                  causal=None, key_range=None, doc_blocks=None, window=None, softcap=None):
-        mask = call_mask(mask, causal, key_range, doc_blocks, window, softcap)
+        mask = _call_mask(mask, causal, key_range, doc_blocks, window, softcap)
         check_qkv(q, k, v)
         self.check_call(mask, q, v)
         return self._backward(dout, q, k, v, out, lse, mask, scale=scale, delta=delta, dq=dq, dk=dk, dv=dv)

@@ -70,7 +70,7 @@ __all__ = ["CudnnFeKernel", "OpSet", "ZERO_GRADIENT_VERSIONS", "graph_stats", "l
 #: cuDNN versions ``[first, after)`` whose packed (ragged) backward with head-major statistics can return
 #: all-zero gradients: refused
 ZERO_GRADIENT_VERSIONS = (92200, 92700)
-PACKAGE = "nvidia-cudnn-frontend"
+_PACKAGE = "nvidia-cudnn-frontend"
 
 
 @dataclass(frozen=True)
@@ -110,12 +110,12 @@ def unavailable_reason() -> str | None:
             _loaded["ops"] = load_ops()
         except ImportError as err:
             if (err.name or "").split(".")[0] == "cudnn":
-                _loaded["ops"] = (f"needs the {PACKAGE} package (pip install 'lightseq_hf[cudnn]'), which is "
-                                  "not installed")
+                _loaded["ops"] = (f"needs the {_PACKAGE} package (pip install 'lightseq_hf[cudnn]'), which "
+                                  "is not installed")
             else:
-                _loaded["ops"] = f"could not import the {PACKAGE} package ({err})"
+                _loaded["ops"] = f"could not import the {_PACKAGE} package ({err})"
         except Exception as err:  # noqa: BLE001 - a package that cannot load is a refusal, said in one line
-            _loaded["ops"] = (f"could not load the {PACKAGE} package ({type(err).__name__}: "
+            _loaded["ops"] = (f"could not load the {_PACKAGE} package ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''})")
     found = _loaded["ops"]
     if isinstance(found, str):

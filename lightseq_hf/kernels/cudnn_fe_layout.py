@@ -45,20 +45,20 @@ __all__ = ["GraphShape", "GraphShapes", "KeyPairs", "aligned_calls", "backward_p
 
 #: cuDNN versions (``major * 10000 + minor * 100 + patch``) whose backward can return NaN dQ for key lengths
 #: 64 mod 128 (fixed in 9.26)
-NAN_DQ_FIXED = 92600
+_NAN_DQ_FIXED = 92600
 #: smallest bucketed longest-sequence and token total (the op's tiles are 128 rows)
-MIN_LENGTH = 128
+_MIN_LENGTH = 128
 #: a built shape serves a smaller call when its grid (documents x longest sequence) is at most this many
 #: times the call's own bucketed grid, and (a copied side) its rows at most this many times the bucket
-REUSE_GRID = 4
-REUSE_TOKENS = 2
+_REUSE_GRID = 4
+_REUSE_TOKENS = 2
 #: shapes remembered per static key (the op caches 128 graphs in all)
-REMEMBERED = 24
+_REMEMBERED = 24
 
 
 def key_length_hazard(cudnn_version: int) -> bool:
     """Whether backward calls must avoid key lengths that are 64 mod 128 on this cuDNN."""
-    return cudnn_version < NAN_DQ_FIXED
+    return cudnn_version < _NAN_DQ_FIXED
 
 
 def bucket(n: int, floor: int = 1) -> int:
@@ -85,29 +85,29 @@ class GraphShape:
     @classmethod
     def bucketed(cls, blocks: DocBlocks, tokens: tuple[int, int] = (0, 0)) -> GraphShape:
         """The bucketed shape of a call over ``blocks`` with backward tensors of ``tokens`` rows."""
-        return cls(bucket(blocks.num_blocks), bucket(max(blocks.max_q, blocks.max_k), MIN_LENGTH), *tokens)
+        return cls(bucket(blocks.num_blocks), bucket(max(blocks.max_q, blocks.max_k), _MIN_LENGTH), *tokens)
 
 
-Span = tuple[int, int]  # the token counts [lo, hi] a side's tensor may have
+_Span = tuple[int, int]  # the token counts [lo, hi] a side's tensor may have
 #: a tensor whose rows all go to the op keeps its own row count as the graph's when that count is a multiple
 #: of this (a run's local length: one graph for every call); other counts are rounded up to a bucket
-WHOLE_UNIT = 1024
+_WHOLE_UNIT = 1024
 
 
-def backward_tokens(rows: Rows, total: int, tensor_rows: int, storage_rows: int) -> tuple[int, Span]:
+def backward_tokens(rows: Rows, total: int, tensor_rows: int, storage_rows: int) -> tuple[int, _Span]:
     """The rows of one side's backward tensor for ``total`` fed ``rows`` of a tensor of ``tensor_rows`` rows
     followed in its storage by ``storage_rows - tensor_rows`` more, and the span of counts an already built
     graph may have for that side (see the module docstring): the bucket where the storage reaches it from
     the first fed row (a view; any count up to what it reaches), the tensor's own rows where they are all
-    fed and their count is a multiple of :data:`WHOLE_UNIT` (a view), else the bucket (copied; up to
-    :data:`REUSE_TOKENS` times it)."""
-    need = bucket(total, MIN_LENGTH)
+    fed and their count is a multiple of :data:`_WHOLE_UNIT` (a view), else the bucket (copied; up to
+    :data:`_REUSE_TOKENS` times it)."""
+    need = bucket(total, _MIN_LENGTH)
     if isinstance(rows, slice):
         if rows.start + need <= storage_rows:
             return need, (total, storage_rows - rows.start)
-        if rows.start == 0 and rows.stop == tensor_rows and tensor_rows % WHOLE_UNIT == 0:
+        if rows.start == 0 and rows.stop == tensor_rows and tensor_rows % _WHOLE_UNIT == 0:
             return tensor_rows, (tensor_rows, tensor_rows)
-    return need, (need, REUSE_TOKENS * need)
+    return need, (need, _REUSE_TOKENS * need)
 
 
 class GraphShapes:
@@ -117,20 +117,20 @@ class GraphShapes:
     def __init__(self) -> None:
         self._shapes: dict[tuple, OrderedDict[GraphShape, None]] = {}
 
-    def choose(self, static: tuple, need: GraphShape, spans: tuple[Span, Span] | None = None) -> GraphShape:
+    def choose(self, static: tuple, need: GraphShape, spans: tuple[_Span, _Span] | None = None) -> GraphShape:
         """The smallest remembered shape covering ``need`` within the reuse bounds (its token counts inside
         ``spans``; None: equal to ``need``'s), else ``need`` itself (then remembered; the least recently
-        chosen shape of the key is forgotten past :data:`REMEMBERED`)."""
+        chosen shape of the key is forgotten past :data:`_REMEMBERED`)."""
         shapes = self._shapes.setdefault(static, OrderedDict())
         spans = spans or ((need.q_tokens, need.q_tokens), (need.k_tokens, need.k_tokens))
         (q_lo, q_hi), (k_lo, k_hi) = spans
         fits = [s for s in shapes if s.docs >= need.docs and s.max_len >= need.max_len
-                and s.grid <= REUSE_GRID * need.grid and q_lo <= s.q_tokens <= q_hi
+                and s.grid <= _REUSE_GRID * need.grid and q_lo <= s.q_tokens <= q_hi
                 and k_lo <= s.k_tokens <= k_hi]
         chosen = min(fits, key=lambda s: (s.grid, s.q_tokens + s.k_tokens)) if fits else need
         shapes[chosen] = None
         shapes.move_to_end(chosen, last=False)
-        while len(shapes) > REMEMBERED:
+        while len(shapes) > _REMEMBERED:
             shapes.popitem()
         return chosen
 
@@ -146,10 +146,10 @@ class GraphShapes:
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _cu: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-Part = tuple[int, int, int, int]  # (first fed row, rows, first fed key, keys), positions in the blocks
+_Part = tuple[int, int, int, int]  # (first fed row, rows, first fed key, keys), positions in the blocks
 
 
-def _parts(blocks: DocBlocks) -> list[Part]:
+def _parts(blocks: DocBlocks) -> list[_Part]:
     parts, qa, ka = [], 0, 0
     for m, n in zip(blocks.q_lens, blocks.k_lens):
         parts.append((qa, m, ka, n))
@@ -256,7 +256,7 @@ def _pick(rows: Rows, pos: slice | torch.Tensor, device: torch.device) -> Rows:
     return rows[pos.to(device)]
 
 
-def _sub_blocks(blocks: DocBlocks, parts: list[Part], causal: bool) -> DocBlocks:
+def _sub_blocks(blocks: DocBlocks, parts: list[_Part], causal: bool) -> DocBlocks:
     device = blocks.cu_q.device
     q_lens = tuple(m for _, m, _, _ in parts)
     k_lens = tuple(n for _, _, _, n in parts)

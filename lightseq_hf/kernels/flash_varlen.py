@@ -35,7 +35,8 @@ from .packed_rows import (
 )
 from .working_memory import BackwardMemory, Workspace
 
-__all__ = ["DocBlocks", "FlashVarlenKernel", "make_doc_blocks", "usable", "whole_rows"]
+__all__ = ["DocBlocks", "FlashVarlenKernel", "check_flash_inputs", "lse_is_padded", "make_doc_blocks",
+           "usable", "varlen_backward", "varlen_forward", "whole_rows"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 

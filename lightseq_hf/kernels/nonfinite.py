@@ -16,11 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
-Ranges = tuple[torch.Tensor, torch.Tensor]  # int32 (batch, rows): each row's keys [lo, hi)
-Tensor = torch.Tensor
+__all__ = ["backward_inputs", "forward_inputs", "poison_backward", "poison_forward"]
+
+_Ranges = tuple[torch.Tensor, torch.Tensor]  # int32 (batch, rows): each row's keys [lo, hi)
+_Tensor = torch.Tensor
 
 
-def bad_tokens(*tensors: torch.Tensor) -> torch.Tensor:
+def _bad_tokens(*tensors: torch.Tensor) -> torch.Tensor:
     """``(batch, seq, heads)`` bool: the tokens with a non-finite value in any of ``tensors`` (same layout
     ``(batch, seq, heads, dim)``); a sum over ``dim`` is non-finite exactly then (short of overflow)."""
     bad = None
@@ -55,22 +57,22 @@ def _any_group(flags: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return flags.view(b, s, kv_heads, h // kv_heads).any(-1)
 
 
-def forward_inputs(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+def forward_inputs(k: _Tensor, v: _Tensor) -> tuple[_Tensor, _Tensor, _Tensor | None]:
     """``(k, v, bad_keys)``: the inputs unchanged and None when all finite, else with the bad keys zeroed."""
-    bad = bad_tokens(k, v)
+    bad = _bad_tokens(k, v)
     if not bool(bad.any()):
         return k, v, None
     return _zeroed(k, bad), _zeroed(v, bad), bad
 
 
-def poison_forward(out: torch.Tensor, bad_keys: torch.Tensor, key_range: Ranges) -> None:
+def poison_forward(out: torch.Tensor, bad_keys: torch.Tensor, key_range: _Ranges) -> None:
     """Write NaN into the output rows that see a bad key (in place)."""
     seen = _seen(bad_keys, *key_range)
     out.masked_fill_(_to_heads(seen, out.shape[2])[..., None], float("nan"))
 
 
 @dataclass
-class BackwardContainment:
+class _BackwardContainment:
     """The non-finite tokens of one backward call: keys ``(batch, lk, kv_heads)``, rows ``(batch, lq,
     heads)`` (a bad q, dout, lse or delta; a row that sees no key is zeroed but never poisoned)."""
 
@@ -78,22 +80,23 @@ class BackwardContainment:
     bad_rows: torch.Tensor
 
 
-def backward_inputs(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, BackwardContainment | None]:
+def backward_inputs(q: _Tensor, k: _Tensor, v: _Tensor, dout: _Tensor, lse: _Tensor, delta: _Tensor,
+                    ) -> tuple[_Tensor, _Tensor, _Tensor, _Tensor, _Tensor, _Tensor,
+                               _BackwardContainment | None]:
     """``(q, k, v, dout, lse, delta, containment)``: unchanged and None when all finite, else the bad
     tokens zeroed (lse and delta of bad rows set to 0) and what was found."""
-    bad_keys = bad_tokens(k, v)
+    bad_keys = _bad_tokens(k, v)
     stats = torch.isfinite(delta) & (torch.isfinite(lse) | (lse == float("-inf")))  # -inf: sees no key
-    bad_rows = bad_tokens(q, dout) | ~stats.transpose(1, 2)
+    bad_rows = _bad_tokens(q, dout) | ~stats.transpose(1, 2)
     if not bool(bad_keys.any() | bad_rows.any()):
         return q, k, v, dout, lse, delta, None
     rows_t = bad_rows.transpose(1, 2)
     return (_zeroed(q, bad_rows), _zeroed(k, bad_keys), _zeroed(v, bad_keys), _zeroed(dout, bad_rows),
             lse.masked_fill(rows_t, 0.0), delta.masked_fill(rows_t, 0.0),
-            BackwardContainment(bad_keys, bad_rows))
+            _BackwardContainment(bad_keys, bad_rows))
 
 
-def poison_backward(found: BackwardContainment, key_range: Ranges, query_range: Ranges,
+def poison_backward(found: _BackwardContainment, key_range: _Ranges, query_range: _Ranges,
                     dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
     """Write NaN into dq of bad rows and of rows that see a bad key, and into dk/dv of bad keys that a row
     sees and of keys that a bad row sees (in place)."""

@@ -26,6 +26,8 @@ from .base import (
 )
 from .working_memory import BackwardMemory, Workspace
 
+__all__ = ["ReferenceKernel"]
+
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["ROW_PASS", "attention_delta", "stand_in_output"]
+
 #: rows per pass of :func:`attention_delta` and :func:`stand_in_output`: their float32 temporaries stay
 #: this many rows (times heads x head dim) whatever the length
 ROW_PASS = 4096

@@ -19,6 +19,8 @@ import torch
 from .base import Capabilities, KernelBase, merge_into
 from .working_memory import BackwardMemory, Workspace
 
+__all__ = ["FLAVORS", "SdpaKernel", "sdpa_backward", "sdpa_forward"]
+
 FLAVORS = ("cudnn", "flash")
 
 

@@ -20,7 +20,9 @@ from .triton_common import LOG2E, bucket, interpreting
 from .triton_fwd import _attn_fwd
 from .working_memory import BackwardMemory
 
-SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
+__all__ = ["TritonKernel", "dkdv_split", "query_ranges"]
+
+_SUPPORTED_HEAD_DIMS = (64, 80, 96, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -74,8 +76,9 @@ def _s(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
 
 
-def dkdv_split(lq: int, lk: int, kv_programs: int, device: torch.device) -> int:
-    """Into how many parts the dk/dv kernel splits each key block's query rows.
+def dkdv_split(lq: int, lk: int, kv_programs: int, multiprocessors: int) -> int:
+    """Into how many parts the dk/dv kernel splits each key block's query rows on a GPU of
+    ``multiprocessors`` streaming multiprocessors.
 
     Its programs own a key block of one key/value head (``kv_programs`` = heads x batch per key block) and
     loop over every query row that sees it: a task with few keys and many query rows (a long document's
@@ -84,10 +87,8 @@ def dkdv_split(lq: int, lk: int, kv_programs: int, device: torch.device) -> int:
     least 16 query blocks of 32 rows per part. Used for key-range (document) calls only: plain causal
     calls keep the one-part kernel (``TritonKernel(dkdv_split=n)`` forces a count).
     """
-    if device.type != "cuda":
-        return 1
     programs = triton.cdiv(lk, 128) * kv_programs
-    target = 2 * _multiprocessors(device)
+    target = 2 * multiprocessors
     if programs >= target:
         return 1
     return max(1, min(triton.cdiv(target, programs), lq // (32 * 16)))
@@ -109,7 +110,7 @@ class TritonKernel(KernelBase):
     capabilities = Capabilities(
         devices=frozenset({"cuda", "cpu"}),  # cpu: in Triton's interpreter (TRITON_INTERPRET=1)
         dtypes=frozenset(_DTYPES),
-        head_dims=SUPPORTED_HEAD_DIMS,
+        head_dims=_SUPPORTED_HEAD_DIMS,
         supports_key_range=True,
         supports_window=True,
         merges_in_kernel=True,  # accumulate mode updates a float32 running (out, lse) inside the kernel
@@ -230,7 +231,8 @@ class TritonKernel(KernelBase):
         lens = (lq, lk, lk - lq, h // hk, float(scale) * LOG2E, float(scale), bucket(lq), bucket(lk))
         split = 1
         if key_range is not None:
-            split = self.dkdv_split or dkdv_split(lq, lk, hk * b, dev)
+            split = self.dkdv_split or (dkdv_split(lq, lk, hk * b, _multiprocessors(dev))
+                                        if dev.type == "cuda" else 1)  # the interpreter: one part
         _dkdv(q, k, v, dout, lse, delta, (dk_t, dk is not None), (dv_t, dv is not None),
               (k_lo, k_hi, q_lo, q_hi), lens, split, common)
         _dq(q, k, v, dout, lse, delta, dq_t, dq is not None, (k_lo, k_hi), lens, common)

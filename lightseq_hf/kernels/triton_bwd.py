@@ -21,6 +21,8 @@ from .triton_common import (
     visible,
 )
 
+__all__ = ["DKDV_CONFIGS", "DQ_CONFIGS"]
+
 DKDV_CONFIGS = configs(
     [(32, 128, 8, 3), (32, 64, 8, 3), (64, 128, 8, 3), (32, 128, 8, 2)],
     interp=(16, 32),

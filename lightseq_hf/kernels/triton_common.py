@@ -8,6 +8,9 @@ import triton
 import triton.language as tl
 import triton.testing
 
+__all__ = ["LN2", "LOG2E", "RCP_LN2", "bucket", "configs", "in_range", "interpreting", "key_block_bounds",
+           "ranged_tiles", "row_tiles", "tune_bench", "visible"]
+
 # The kernels run the softmax in base 2 (exp2, log2): the host passes ``scale * LOG2E``, the kernels turn a
 # natural-log lse into base 2 with RCP_LN2 (= LOG2E) and back with LN2.
 LOG2E = 1.4426950408889634

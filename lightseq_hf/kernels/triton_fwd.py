@@ -22,6 +22,8 @@ from .triton_common import (
     visible,
 )
 
+__all__ = ["FWD_CONFIGS"]
+
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): a short list; the autotuner picks per bucket.
 FWD_CONFIGS = configs(
     [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
