@@ -48,8 +48,11 @@ from .step_bytes import (
     total,
 )
 
+__all__ = ["ALLOCATOR_RESERVE", "GIB", "MemoryPlan", "ModelShape", "OffloadPlan", "PlanOptions",
+           "choose_offload", "fits", "layers_to_offload", "longest_context", "plan_memory", "recompute_cost"]
+
 GIB = 2**30
-KIB = 2**10
+_KIB = 2**10
 
 _POSITIVE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size")
@@ -61,12 +64,12 @@ _OPTIONAL_KEYS = ("num_key_value_heads", "head_dim")
 #: 2026-11-26, it held 22.3 GiB reserved but unallocated beside 52.4 GiB allocated)
 ALLOCATOR_RESERVE = {"expandable": 0.02, "default": 0.40}
 #: how the names of the forward's moments begin
-FORWARD_MOMENTS = ("forward of layer", "end of forward")
+_FORWARD_MOMENTS = ("forward of layer", "end of forward")
 #: device memory outside the caching allocator, estimated: the CUDA context with cuBLAS/cuDNN handles
-CUDA_CONTEXT_BYTES = GIB // 2
+_CUDA_CONTEXT_BYTES = GIB // 2
 #: NCCL's buffers per rank, estimated: 4 MiB (NCCL_BUFFSIZE) per channel, protocol and peer, for the
 #: collectives of FSDP and the ring's point-to-point neighbours
-NCCL_BYTES = GIB
+_NCCL_BYTES = GIB
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,7 @@ class MemoryPlan:
         if phase not in ("forward", "backward"):
             raise ValueError(f"phase must be 'forward' or 'backward', not {phase!r}")
         forward = phase == "forward"
-        return max(v for k, v in self.moments.items() if k.startswith(FORWARD_MOMENTS) == forward)
+        return max(v for k, v in self.moments.items() if k.startswith(_FORWARD_MOMENTS) == forward)
 
     @property
     def device_total(self) -> int:
@@ -185,17 +188,17 @@ class MemoryPlan:
 
     def describe(self) -> str:
         def rows(parts: dict, per: dict) -> list[str]:
-            return [f"  {k:<52} {v / GIB:9.3f} GiB {per.get(k, 0) / KIB:8.2f} KB/token"
+            return [f"  {k:<52} {v / GIB:9.3f} GiB {per.get(k, 0) / _KIB:8.2f} KB/token"
                     for k, v in parts.items() if v]
 
         lines = [f"peak device memory per rank: {self.peak_gpu / GIB:.2f} GiB allocated ({self.moment}); "
-                 f"{self.device_bytes_per_token / KIB:.1f} KB per token of this rank ({self.tokens} tokens)"]
+                 f"{self.device_bytes_per_token / _KIB:.1f} KB per token of this rank ({self.tokens} tokens)"]
         lines += rows(self.gpu, self.gpu_per_token)
         lines.append(f"beside it on the device: {sum(self.beside_gpu.values()) / GIB:.2f} GiB; the card must "
                      f"hold {self.device_total / GIB:.2f} GiB")
         lines += [f"  {k:<52} {v / GIB:9.3f} GiB" for k, v in self.beside_gpu.items() if v]
         lines.append(f"peak host memory per rank (beyond the process itself): {self.peak_host / GIB:.2f} "
-                     f"GiB; {self.host_bytes_per_token / KIB:.1f} KB per token of this rank")
+                     f"GiB; {self.host_bytes_per_token / _KIB:.1f} KB per token of this rank")
         lines += rows(self.host, self.host_per_token)
         return "\n".join(lines)
 
@@ -209,14 +212,14 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
     n = opts.batch * opts.context // opts.sp_size  # tokens on this rank
     d = Dims.of(shape, opts.compute_dtype)
     state, host = _state_parts(shape, opts)
-    modes = layer_modes(shape, opts)
+    modes = _layer_modes(shape, opts)
     host.update(_offloaded(d, modes))
     moments = _moments(shape, opts, d, n, state, modes)
     name, parts = max(moments.items(), key=lambda kv: total(kv[1]).at(n))
     peak = total(parts).at(n)
     beside = {"allocator reserve": peak * ALLOCATOR_RESERVE[opts.allocator],
-              "CUDA context and libraries": CUDA_CONTEXT_BYTES,
-              "NCCL buffers": NCCL_BYTES if opts.world > 1 else 0}
+              "CUDA context and libraries": _CUDA_CONTEXT_BYTES,
+              "NCCL buffers": _NCCL_BYTES if opts.world > 1 else 0}
     return MemoryPlan(
         peak_gpu=int(peak), peak_host=int(total(host).at(n)), moment=name, tokens=n,
         moments={k: int(total(v).at(n)) for k, v in moments.items()},
@@ -227,10 +230,10 @@ def plan_memory(shape: ModelShape, opts: PlanOptions) -> MemoryPlan:
         beside_gpu={k: int(v) for k, v in beside.items()})
 
 
-def layer_modes(shape: ModelShape, opts: PlanOptions) -> list[tuple[bool, bool]]:
-    """``(offloaded, remat)`` of every layer: the first ``offloaded_layers`` keep their checkpoints in
+def _layer_modes(shape: ModelShape, opts: PlanOptions) -> list[tuple[bool, bool]]:
+    """``(offloaded, remat)`` of every layer: the first ``_offloaded_layers`` keep their checkpoints in
     host memory, the plan's first ``recompute`` are under plain recompute."""
-    offloaded = offloaded_layers(shape, opts)
+    offloaded = _offloaded_layers(shape, opts)
     plain = 0 if opts.checkpointing == "none" else offload_plan(opts.offload_checkpoints).recompute
     remat = opts.checkpointing == "remat"
     return [(i < offloaded, remat and i >= plain) for i in range(shape.layers)]
@@ -363,7 +366,7 @@ def _state_parts(shape: ModelShape, opts: PlanOptions) -> tuple[dict[str, Bytes]
     return state, host
 
 
-def offloaded_layers(shape: ModelShape, opts: PlanOptions) -> int:
+def _offloaded_layers(shape: ModelShape, opts: PlanOptions) -> int:
     """How many layers keep their checkpoints in host memory."""
     if opts.checkpointing == "none":
         return 0

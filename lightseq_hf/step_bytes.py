@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["Bytes", "Dims", "attention_backward", "fixed", "kept", "layer_backward_moment",
+           "layer_forward_moment", "layer_saved", "loss_forward", "mlp_backward", "per_token", "step_inputs",
+           "total"]
+
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
@@ -43,7 +47,7 @@ def fixed(b: float) -> Bytes:
     return Bytes(b, 0.0)
 
 
-def rows(count: int, tokens: int, per_row: float) -> Bytes:
+def _rows(count: int, tokens: int, per_row: float) -> Bytes:
     """``min(count, tokens)`` rows of ``per_row`` bytes: fixed once the tokens reach ``count``."""
     return fixed(count * per_row) if tokens >= count else per_token(per_row)
 
@@ -115,7 +119,7 @@ def layer_saved(d: Dims, *, remat: bool, tiled_mlp: bool, tiled_norms: bool) -> 
     return parts
 
 
-def pre_attention_saved(d: Dims, *, remat: bool, tiled_norms: bool) -> dict[str, Bytes]:
+def _pre_attention_saved(d: Dims, *, remat: bool, tiled_norms: bool) -> dict[str, Bytes]:
     """Of :func:`layer_saved`, what is still alive when the attention's backward runs (the MLP's and the
     second norm's tensors are gone)."""
     parts: dict[str, Bytes] = {}
@@ -137,12 +141,12 @@ def mlp_backward(d: Dims, tokens: int, tile: int | None) -> dict[str, Bytes]:
     if tile is None:
         parts["MLP backward temporaries"] = per_token(2 * d.inter * d.c)
     else:
-        parts["MLP backward temporaries (one tile)"] = (rows(tile, tokens, 5 * d.inter * d.c)
+        parts["MLP backward temporaries (one tile)"] = (_rows(tile, tokens, 5 * d.inter * d.c)
                                                         + fixed(3 * d.h * d.inter * (4 + d.c)))
     return parts
 
 
-def second_norm_backward(d: Dims, tokens: int, tile: int | None, *, tiled_norms: bool) -> dict[str, Bytes]:
+def _second_norm_backward(d: Dims, tokens: int, tile: int | None, *, tiled_norms: bool) -> dict[str, Bytes]:
     """The second norm's backward (after the MLP's): what the norm keeps, the incoming gradient and the
     norm output's, and the norm's float32 gradient temporaries (three ``tokens x h`` float32 tensors at
     once: the upcast gradient, the gradient through the rsqrt, the product for the rsqrt's gradient), or
@@ -151,7 +155,7 @@ def second_norm_backward(d: Dims, tokens: int, tile: int | None, *, tiled_norms:
     if tiled_norms:
         parts["second norm's input (tiled norms)"] = per_token(d.h * d.c)
         parts["norm-input gradient"] = per_token(d.h * d.c)
-        parts["norm backward temporaries (one tile)"] = rows(tile or tokens, tokens, 4 * d.h * 4)
+        parts["norm backward temporaries (one tile)"] = _rows(tile or tokens, tokens, 4 * d.h * 4)
     else:
         parts["second norm's float32 copy and normalized output"] = per_token(d.h * (4 + d.c))
         parts["norm backward temporaries (float32)"] = per_token(3 * d.h * 4)
@@ -188,7 +192,7 @@ def attention_backward(d: Dims, tokens: int, *, sp_size: int, chunks: int, kerne
     return {**parts, **grouped}
 
 
-def attention_forward(d: Dims, *, sp_size: int) -> dict[str, Bytes]:
+def _attention_forward(d: Dims, *, sp_size: int) -> dict[str, Bytes]:
     """The distributed attention's forward (run again in backward by a layer under plain recompute): its
     output and lse and, over a group, the float32 running output and lse the partial results merge
     into, and the ring's remote key/value chunk and its prefetch."""
@@ -220,7 +224,7 @@ def loss_forward(d: Dims, tokens: int, *, chunk: int, norm_in_loss: bool) -> dic
     (only the decoder's output, the loss's input, is alive)."""
     narrow = d.c if d.upcast else 0  # a compute-dtype copy beside a float32 one
     parts = {"hidden-state gradient (fused loss)": per_token(d.h * d.c),
-             "one chunk's logits and their gradient (fused loss)": rows(
+             "one chunk's logits and their gradient (fused loss)": _rows(
                  chunk, tokens, d.vocab * (d.c + d.upcast + 2 * 4 + narrow)),
              "head gradient: one chunk's and the float32 sum (fused loss)": fixed(d.vocab * d.h * (d.c + 4))}
     if norm_in_loss:
@@ -236,14 +240,14 @@ def layer_forward_moment(d: Dims, tokens: int, *, sp_size: int, embedding_held: 
     layer input (the residual), the first norm's output and, from the second layer on, the embedding
     output that the decoder's loop holds until its end. Rotary: q, k, v and three query-sized
     temporaries (q x cos, the rotated half of q, that times sin); attention: the rotated q and k, v,
-    and :func:`attention_forward`'s tensors."""
+    and :func:`_attention_forward`'s tensors."""
     alive = {"this layer: layer input": per_token(d.h * d.c),
              "first norm's output (q/k/v projection input)": per_token(d.h * d.c)}
     if embedding_held:
         alive["embedding output (held by the decoder's loop)"] = per_token(d.h * d.c)
     qkv = {"q, k, v (attention inputs)": per_token((d.q + 2 * d.kv) * d.c)}
     rotary = {**alive, **qkv, "rotary embedding: three query-sized temporaries": per_token(3 * d.q * d.c)}
-    attention = {**alive, **qkv, **attention_forward(d, sp_size=sp_size)}
+    attention = {**alive, **qkv, **_attention_forward(d, sp_size=sp_size)}
     return max((rotary, attention), key=lambda parts: total(parts).at(tokens))
 
 
@@ -254,13 +258,13 @@ def layer_backward_moment(d: Dims, tokens: int, opts: Any, *, remat: bool, chunk
     tiled_norms = opts.norms_tiled
     own = {f"this layer: {k}": v for k, v in kept(d, remat).items()}
     saved = layer_saved(d, remat=remat, tiled_mlp=opts.tiled_mlp is not None, tiled_norms=tiled_norms)
-    pre = pre_attention_saved(d, remat=remat, tiled_norms=tiled_norms)
+    pre = _pre_attention_saved(d, remat=remat, tiled_norms=tiled_norms)
     phases = [{**own, **saved, **mlp_backward(d, tokens, opts.tiled_mlp)},
-              {**own, **pre, **second_norm_backward(d, tokens, opts.tiled_mlp, tiled_norms=tiled_norms)},
+              {**own, **pre, **_second_norm_backward(d, tokens, opts.tiled_mlp, tiled_norms=tiled_norms)},
               {**own, **pre, **attention_backward(d, tokens, sp_size=opts.sp_size, chunks=chunks,
                                                   kernel=opts.attention_kernel, batch=opts.batch)}]
     if not remat:  # the recompute's attention forward, the incoming gradient waiting
         before = {k: v for k, v in pre.items() if "recomputed" not in k}
         phases.append({**own, **before, "incoming gradient": per_token(d.h * d.c),
-                       **attention_forward(d, sp_size=opts.sp_size)})
+                       **_attention_forward(d, sp_size=opts.sp_size)})
     return max(phases, key=lambda parts: total(parts).at(tokens))

@@ -69,13 +69,13 @@ def test_start_up_failures_name_the_timeout_or_the_port(monkeypatch, capsys) -> 
     monkeypatch.setenv("MASTER_PORT", "29533")
     for error in (RuntimeError("wait timeout after 1500ms, keys: /default_pg/0//cpu//0/1"),
                   RuntimeError("Gloo connectFullMesh failed with [pair.h:311] Connect timeout [none]")):
-        assert cli._worker_failed(error, timeout_s=1.5) == 2
+        assert cli.worker_failed(error, timeout_s=1.5) == 2
         line = capsys.readouterr().err.strip()
         assert "did not all join the process group within training.timeout_s=1.5 s" in line, line
         assert "Raise training.timeout_s" in line and "\n" not in line
     busy = RuntimeError("The server socket has failed to listen on any local network address. port: 29533, "
                         "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
-    assert cli._worker_failed(busy, timeout_s=600.0) == 2
+    assert cli.worker_failed(busy, timeout_s=600.0) == 2
     line = capsys.readouterr().err.strip()
     assert "port 29533 of 127.0.0.1 is in use" in line and "lightseq-finetune --nproc N" in line, line
 

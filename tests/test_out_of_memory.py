@@ -111,7 +111,7 @@ def test_workers_get_expandable_segments_before_cuda_unless_the_user_chose(monke
         seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
         raise cli.ConfigError("stopped by the test")
 
-    monkeypatch.setattr(loop.Trainer, "_start_processes", stop_at_start)
+    monkeypatch.setattr(loop.Trainer, "setup", stop_at_start)  # its first act starts the Accelerator
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):  # restored (unset) after the test
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

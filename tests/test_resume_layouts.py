@@ -122,24 +122,24 @@ def _train(overrides: list[str]) -> tuple[dict[int, list[int]], str]:
     from lightseq_hf.training import loop
 
     seen: dict[int, list[int]] = {}
-    original = loop.Trainer._forward_backward
+    original = loop.Trainer.train_step
 
-    def recording(self, batches, step):
+    def recording(self, batches):
         index = {tuple(self.dataset[i]["input_ids"].tolist()): i for i in range(len(self.dataset))}
         assert len(index) == len(self.dataset), "two samples are identical: they cannot be told apart"
-        seen[step] = [index[tuple(row.tolist())] for b in batches for row in b["input_ids"]]
-        return original(self, batches, step)
+        seen[self.state.step + 1] = [index[tuple(row.tolist())] for b in batches for row in b["input_ids"]]
+        return original(self, batches)
 
     log = io.StringIO()
     handler = logging.StreamHandler(log)
     logging.getLogger("lightseq_hf").addHandler(handler)
     logging.getLogger("lightseq_hf").setLevel(logging.INFO)
-    loop.Trainer._forward_backward = recording
+    loop.Trainer.train_step = recording
     try:
         loop.train(config_from_dict(TINY, [*SMALL, *overrides], base_dir=ROOT / "configs",
                                     world_size=dist.get_world_size()))
     finally:
-        loop.Trainer._forward_backward = original
+        loop.Trainer.train_step = original
         logging.getLogger("lightseq_hf").removeHandler(handler)
     return seen, log.getvalue()
 

@@ -13,10 +13,12 @@ from typing import Any
 from .._values import is_positive_int
 from .errors import ConfigError
 
-POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+__all__ = ["check_model_config", "model_vocab_size"]
+
+_POSITIVE_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
 #: the config keys architectures read their attention dropout from
-ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop")
+_ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop")
 
 
 def _path_entries(model_path: str | None) -> dict:
@@ -45,7 +47,7 @@ def _check_numbers(entries: dict, prefix: str = "model.config") -> None:
             _check_numbers(value, name)
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{name}: must be a finite number; got {value}")
-        elif key in POSITIVE_INT_KEYS and value is not None and not is_positive_int(value):
+        elif key in _POSITIVE_INT_KEYS and value is not None and not is_positive_int(value):
             raise ConfigError(f"{name}: must be a positive integer; got {value!r}")
         elif key == "rope_theta" and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or value <= 0):
@@ -98,7 +100,7 @@ def check_model_config(entries: dict | None, model_path: str | None) -> None:
 def _check_attention_dropout(merged: dict) -> None:
     """The distributed attention has no dropout and refuses it at the first training step; a run would
     stop there after its set-up, so it is refused with the config."""
-    for key in ATTENTION_DROPOUT_KEYS:
+    for key in _ATTENTION_DROPOUT_KEYS:
         rate = merged.get(key)
         if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
             raise ConfigError(f"model.config.{key}: {rate}; lightseq_hf's distributed attention has no "

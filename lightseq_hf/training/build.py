@@ -15,6 +15,10 @@ from .errors import ConfigError
 from .log import logger
 from .planning import offload_value
 
+__all__ = ["apply_patch", "build_model", "build_model_or_explain", "build_optimizer", "check_backend_device",
+           "check_tokenizer_fits", "count_steps", "lr_lambda", "model_config", "offload_setting",
+           "rank_memory_budget", "run_sharding", "use_fsdp_cpu_offload"]
+
 
 def model_config(cfg: FinetuneConfig) -> Any:
     """The model's Transformers config: ``model.path``'s with the ``model.config`` entries over it, or
@@ -77,7 +81,7 @@ def count_steps(cfg: FinetuneConfig, num_samples: int, dp_size: int) -> int:
     return math.ceil(math.ceil(per_group / t.batch_size) / t.grad_accum) * t.epochs
 
 
-def tokenizer_size(tokenizer: Any) -> int | None:
+def _tokenizer_size(tokenizer: Any) -> int | None:
     """The number of ids ``tokenizer`` can produce (added tokens included), when it says."""
     if tokenizer is None:
         return None
@@ -90,7 +94,7 @@ def check_tokenizer_fits(cfg: FinetuneConfig, tokenizer: Any, vocab_size: int) -
     """ConfigError when text data would be tokenized into ids the model's embedding table lacks."""
     if cfg.data.type == "synthetic":
         return  # the synthetic task draws ids from the model's vocabulary itself
-    n = tokenizer_size(tokenizer)
+    n = _tokenizer_size(tokenizer)
     if n is not None and n > vocab_size:
         which = "model.config.vocab_size" if cfg.model.config and "vocab_size" in cfg.model.config \
             else "the model's vocab_size"

@@ -16,6 +16,9 @@ from .errors import ConfigError
 from .log import logger
 from .saving import CheckpointError, publish, temporary_path, write_completion_record
 
+__all__ = ["TrainState", "check_same_data", "check_schedule", "load_resume_state", "reconcile_schedule",
+           "save_checkpoint", "write_training_state"]
+
 
 class TrainState:
     """Progress counters, saved with the checkpoint (accelerate ``register_for_checkpointing``)."""

@@ -28,8 +28,10 @@ from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
 from .output import release_output_dir_locks
 
-EXIT_CONFIG, EXIT_FAILED = 2, 1
-WORKER_MODULE = "lightseq_hf.training.cli"
+__all__ = ["main", "run", "worker_failed"]
+
+_EXIT_CONFIG, _EXIT_FAILED = 2, 1
+_WORKER_MODULE = "lightseq_hf.training.cli"
 
 
 def _world_size() -> int | None:
@@ -92,7 +94,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be a positive number of GiB; got {value}")
 
 
-def check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume: Path | None) -> str:
+def _check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume: Path | None) -> str:
     """What ``--check`` verified, in one line."""
     sp = cfg.sp_size or world
     layout = (f"world {world} = {world // sp} data-parallel x {sp} sequence-parallel, "
@@ -168,9 +170,10 @@ def _process_group_failed(e: BaseException, timeout_s: float | None) -> str:
             "WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT to run one process.")
 
 
-def _worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
+def worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
     """Report a worker's failure (published for its peers first), in one line where it is understood
-    (``timeout_s``: the run's ``training.timeout_s``, named when a wait ran out)."""
+    (``timeout_s``: the run's ``training.timeout_s``, named when a wait ran out); the process's exit
+    status."""
     from ..guard.parity import ParityError
     from .failures import OutOfMemoryStop
     from .guards import NonFiniteError
@@ -184,25 +187,25 @@ def _worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
     if not started and (_world_size() or 1) > 1 and (isinstance(e, getattr(dist, "DistError", ()))
                                                    or "MASTER_ADDR" in str(e) or _timed_out(e)
                                                    or _port_in_use(e)):
-        return _fail(_process_group_failed(e, timeout_s), EXIT_CONFIG, every_rank=True)
+        return _fail(_process_group_failed(e, timeout_s), _EXIT_CONFIG, every_rank=True)
     if is_comm_failure(e) and not isinstance(e, (CheckpointError, NonFiniteError, ParityError)):
         waited = f" or did not answer within training.timeout_s={timeout_s:g} s" if timeout_s else ""
         e = explain_peer_failure(e, "the run", f"a peer rank left, froze, called another operation{waited}")
     if not isinstance(e, OutOfMemoryStop):  # that one published its line itself
         report_failure(e)
     if isinstance(e, ConfigError):
-        return _fail(f"config error: {e}", EXIT_CONFIG)
+        return _fail(f"config error: {e}", _EXIT_CONFIG)
     if isinstance(e, (CheckpointError, NonFiniteError)):
-        return _fail(f"stopped: {e}", EXIT_FAILED)
+        return _fail(f"stopped: {e}", _EXIT_FAILED)
     if isinstance(e, ParityError):
         return _fail(f"stopped at the first step's parity check (parity.enabled=false skips it): {e}",
-                     EXIT_FAILED, every_rank=True)
+                     _EXIT_FAILED, every_rank=True)
     if isinstance(e, PeerFailure) and e.reason.startswith(f"rank 0 failed: {ConfigError.__name__}:"):
-        return EXIT_CONFIG  # rank 0 printed the configuration problem
+        return _EXIT_CONFIG  # rank 0 printed the configuration problem
     if isinstance(e, (PeerFailure, OutOfMemoryStop)):
-        return _fail(f"stopped: {e}", EXIT_FAILED, every_rank=True)
+        return _fail(f"stopped: {e}", _EXIT_FAILED, every_rank=True)
     if isinstance(e, (ValueError, OSError)):  # the library's refusals, and the system's (disk, files)
-        return _fail(f"rank {os.environ.get('RANK', '0')} stopped: {one_line(e)}", EXIT_FAILED,
+        return _fail(f"rank {os.environ.get('RANK', '0')} stopped: {one_line(e)}", _EXIT_FAILED,
                      every_rank=True)
     raise e  # anything else is a fault of the program: its traceback follows
 
@@ -217,7 +220,7 @@ def _run_worker(cfg: FinetuneConfig) -> int:
         _stop_on_signals()
         train(cfg)
     except BaseException as e:  # noqa: BLE001 - every failure is reported (peers read it), then mapped
-        return _worker_failed(e, cfg.training.timeout_s)
+        return worker_failed(e, cfg.training.timeout_s)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -237,7 +240,7 @@ def _worker_args(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> int:
+def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> int:
     """Parse the command line, validate the config, and train (or launch ``--nproc`` workers running
     ``python -m worker_module``). Returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -252,16 +255,16 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
 
             resume = prepare_output_dir(cfg, dry_run=True)
     except ConfigError as e:
-        return _fail(f"config error: {e}", EXIT_CONFIG)
+        return _fail(f"config error: {e}", _EXIT_CONFIG)
     except RuntimeError as e:  # CheckpointError from --check
-        return _fail(str(e), EXIT_FAILED)
+        return _fail(str(e), _EXIT_FAILED)
     if args.plan:
         from .planning import plan_text
 
         try:
             print(plan_text(cfg, world, args.sharding, args.gpu_gib, args.host_gib))
         except (ConfigError, ValueError) as e:
-            return _fail(f"--plan: {e}", EXIT_CONFIG)
+            return _fail(f"--plan: {e}", _EXIT_CONFIG)
         return 0
     if args.print_config:
         import yaml
@@ -274,11 +277,11 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
         try:
             done = preflight(cfg, world, resume)
         except ConfigError as e:
-            return _fail(f"config error: {e}", EXIT_CONFIG)
+            return _fail(f"config error: {e}", _EXIT_CONFIG)
         except RuntimeError as e:  # CheckpointError
-            return _fail(str(e), EXIT_FAILED)
+            return _fail(str(e), _EXIT_FAILED)
     if args.check:
-        print(f"lightseq-finetune: {check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
+        print(f"lightseq-finetune: {_check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
               flush=True)
         return 0
     if args.nproc:
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> i
             return launch(args.nproc, worker_module, _worker_args(argv), args.accelerate_config,
                           grace_s=min(max(cfg.training.timeout_s, 2.0), 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
-            return _fail(f"--accelerate-config: {e}", EXIT_CONFIG)
+            return _fail(f"--accelerate-config: {e}", _EXIT_CONFIG)
     _start_worker(cfg)
     return _run_worker(cfg)
 
@@ -305,7 +308,7 @@ def _start_worker(cfg: FinetuneConfig) -> None:
         logger.info(line)
 
 
-def run(argv: list[str] | None = None, worker_module: str = WORKER_MODULE) -> NoReturn:
+def run(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> NoReturn:
     """The process entry point (``lightseq-finetune``, ``python -m``, scripts/finetune.py): :func:`main`,
     then exit with its status.
 

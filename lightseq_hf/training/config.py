@@ -34,6 +34,9 @@ from .data import FILE_FORMATS, detect_format
 from .errors import ConfigError
 from .keys import meant_key
 
+__all__ = ["ConfigError", "FinetuneConfig", "OffloadLayers", "RESUME_LATEST", "RESUME_LATEST_OR_FRESH",
+           "config_from_dict", "load_config", "parse_overrides", "validate"]
+
 
 def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, (str, int, float)) and not isinstance(value, bool) else value
@@ -53,21 +56,21 @@ def _number(kind: type, **bounds: Any) -> Any:
     return Annotated[kind, BeforeValidator(_not_bool), Field(**bounds)]
 
 
-PosInt = _number(int, gt=0)
-NonNegInt = _number(int, ge=0)
-PosFloat = _number(float, gt=0)
-NonNegFloat = _number(float, ge=0)
-Fraction = _number(float, ge=0, le=1)
-OpenFraction = _number(float, gt=0, lt=1)
-Beta = _number(float, ge=0, lt=1)
-Seed = _number(int, ge=0, lt=2**32)  # numpy's seeds are 32-bit
-MAX_TIMEOUT_S = 30 * 24 * 3600
+_PosInt = _number(int, gt=0)
+_NonNegInt = _number(int, ge=0)
+_PosFloat = _number(float, gt=0)
+_NonNegFloat = _number(float, ge=0)
+_Fraction = _number(float, ge=0, le=1)
+_OpenFraction = _number(float, gt=0, lt=1)
+_Beta = _number(float, ge=0, lt=1)
+_Seed = _number(int, ge=0, lt=2**32)  # numpy's seeds are 32-bit
+_MAX_TIMEOUT_S = 30 * 24 * 3600
 #: a shorter bound fails healthy start-ups: each process waits for the others to start and connect (seconds)
-MIN_TIMEOUT_S = 1.0
-StrList = Annotated[list[str], BeforeValidator(_as_list)]
+_MIN_TIMEOUT_S = 1.0
+_StrList = Annotated[list[str], BeforeValidator(_as_list)]
 
 #: top-level keys starting with this are ignored (anchors for YAML merge keys, ``<<: *name``)
-EXTENSION_PREFIX = "x-"
+_EXTENSION_PREFIX = "x-"
 RESUME_LATEST = "latest"  # newest complete checkpoint in output_dir; an error when there is none
 RESUME_LATEST_OR_FRESH = "latest_or_fresh"  # ... or start from step 0 when there is none
 
@@ -87,7 +90,7 @@ class _Section(BaseModel):
         return self.model_dump()
 
 
-class ModelConfig(_Section):
+class _ModelConfig(_Section):
     """``path``: a local Hugging Face checkpoint; ``config``: inline config entries (the whole
     architecture for random init, or overrides on top of ``path``'s config)."""
 
@@ -97,26 +100,26 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights
 
 
-class SyntheticConfig(_Section):
+class _SyntheticConfig(_Section):
     """The on-the-fly passkey task (see lightseq_hf.training.synthetic)."""
 
     task: Literal["passkey"] = "passkey"
-    num_values: PosInt = 16
-    passkey_len: PosInt = 1
-    needle_max_frac: OpenFraction = 0.5
-    needle_repeat: PosInt = 1  # the needle states the key this many times in a row
+    num_values: _PosInt = 16
+    passkey_len: _PosInt = 1
+    needle_max_frac: _OpenFraction = 0.5
+    needle_repeat: _PosInt = 1  # the needle states the key this many times in a row
     filler: Literal["repeat", "random"] = "repeat"  # repeat: one sentence repeated (classic passkey test)
-    filler_period: PosInt = 32
-    num_samples: PosInt = 1_000_000
-    eval_samples: NonNegInt = 32
-    seed: Seed = 1234
+    filler_period: _PosInt = 32
+    num_samples: _PosInt = 1_000_000
+    eval_samples: _NonNegInt = 32
+    seed: _Seed = 1234
 
 
-class DataConfig(_Section):
+class _DataConfig(_Section):
     """``type``: ``synthetic`` (generated), ``files`` (local json/jsonl/text/parquet) or ``hub``."""
 
     type: Literal["synthetic", "files", "hub"] = "synthetic"
-    paths: StrList = Field(default_factory=list)
+    paths: _StrList = Field(default_factory=list)
     format: Literal["auto", "json", "text", "parquet", "csv"] = "auto"  # ``json`` covers jsonl
     name: str | None = None  # hub dataset name (type: hub)
     subset: str | None = None
@@ -125,9 +128,9 @@ class DataConfig(_Section):
     add_eos: StrictBool = True
     # documents: position ids restart per document, attention and labels stay inside it; concat: one sequence
     packing: Literal["documents", "concat"] = "documents"
-    max_documents: PosInt | None = None
-    num_proc: PosInt | None = None
-    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+    max_documents: _PosInt | None = None
+    num_proc: _PosInt | None = None
+    synthetic: _SyntheticConfig = Field(default_factory=_SyntheticConfig)
 
 
 class OffloadLayers(_Section):
@@ -135,34 +138,34 @@ class OffloadLayers(_Section):
     decoder layers keep their checkpoints in host memory; the first ``recompute`` keep only their input
     (plain recompute: their attention forward runs again in backward)."""
 
-    layers: NonNegInt
-    recompute: NonNegInt = 0
+    layers: _NonNegInt
+    recompute: _NonNegInt = 0
 
 
-class TrainingConfig(_Section):
+class _TrainingConfig(_Section):
     """Optimization. ``batch_size`` is sequences per data-parallel group per micro-step."""
 
-    max_steps: PosInt | None = None  # optimizer steps; None: run ``epochs`` epochs
-    epochs: PosInt = 1
-    batch_size: PosInt = 1
-    grad_accum: PosInt = 1
-    lr: PosFloat = 3e-4
+    max_steps: _PosInt | None = None  # optimizer steps; None: run ``epochs`` epochs
+    epochs: _PosInt = 1
+    batch_size: _PosInt = 1
+    grad_accum: _PosInt = 1
+    lr: _PosFloat = 3e-4
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: NonNegInt = 0
-    min_lr_ratio: Fraction = 0.1
-    weight_decay: NonNegFloat = 0.0
-    betas: Annotated[list[Beta], Field(min_length=2, max_length=2)] = Field(
+    warmup_steps: _NonNegInt = 0
+    min_lr_ratio: _Fraction = 0.1
+    weight_decay: _NonNegFloat = 0.0
+    betas: Annotated[list[_Beta], Field(min_length=2, max_length=2)] = Field(
         default_factory=lambda: [0.9, 0.95])
-    max_grad_norm: PosFloat | None = 1.0
+    max_grad_norm: _PosFloat | None = 1.0
     # no | bf16 | fp16; None: the accelerate config's setting
     mixed_precision: Annotated[Literal["no", "bf16", "fp16"] | None, BeforeValidator(_no_as_string)] = None
     checkpointing: Literal[(*CHECKPOINTING_MODES, "none")] = "remat"  # type: ignore[valid-type]
     backend: Literal[BACKENDS] = "auto"  # type: ignore[valid-type]
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: Seed = 0
+    seed: _Seed = 0
     # bound on every collective wait (a frozen or missing peer ends the run), the start-up's included; 1 s
     # to 30 days
-    timeout_s: _number(float, ge=MIN_TIMEOUT_S, le=MAX_TIMEOUT_S) = 600.0  # type: ignore[valid-type]
+    timeout_s: _number(float, ge=_MIN_TIMEOUT_S, le=_MAX_TIMEOUT_S) = 600.0  # type: ignore[valid-type]
     on_nonfinite: Literal["error", "skip"] = "error"  # a NaN/Inf loss or grad norm: stop, or skip the update
     # memory options (README "Memory")
     # what checkpointed layers keep -> pinned host memory, prefetched: true (every layer), N (the first N
@@ -170,26 +173,26 @@ class TrainingConfig(_Section):
     # choice for this machine's device and host memory, at launch)
     offload_checkpoints: (StrictBool | Annotated[StrictInt, Field(ge=0)] | Literal["auto"]
                           | OffloadLayers) = False
-    tiled_mlp: PosInt | None = None  # MLP and norm tokens per tile (e.g. 8192); null: untiled
+    tiled_mlp: _PosInt | None = None  # MLP and norm tokens per tile (e.g. 8192); null: untiled
     cpu_offload: StrictBool = False  # FSDP2 CPUOffloadPolicy: master weights, grads, AdamW state on host
 
 
-class LoggingConfig(_Section):
+class _LoggingConfig(_Section):
     """Progress bar, metrics (JSON lines), loss-curve PNG, evaluation cadence."""
 
-    every: PosInt = 1
-    eval_every: NonNegInt = 0  # steps between retrieval evaluations (synthetic data); 0: only at the end
+    every: _PosInt = 1
+    eval_every: _NonNegInt = 0  # steps between retrieval evaluations (synthetic data); 0: only at the end
     progress_bar: StrictBool = True
     metrics_file: str = "metrics.jsonl"
     plot: StrictBool = True
-    peak_tflops: PosFloat | None = None  # for MFU; default: 989 on H100/H200, else unknown
+    peak_tflops: _PosFloat | None = None  # for MFU; default: 989 on H100/H200, else unknown
 
 
-class SavingConfig(_Section):
+class _SavingConfig(_Section):
     """Checkpoints under ``output_dir/checkpoint-<step>``; ``resume_from``: a checkpoint path,
     ``latest`` (the newest complete one; an error if none) or ``latest_or_fresh``."""
 
-    every: NonNegInt = 0  # steps between checkpoints; 0: only at the end
+    every: _NonNegInt = 0  # steps between checkpoints; 0: only at the end
     final: StrictBool = True
     resume_from: str | None = None
     save_optimizer: StrictBool = True
@@ -199,28 +202,28 @@ class SavingConfig(_Section):
     resume_other_run: StrictBool = False  # allow resume_from to name a checkpoint outside output_dir
 
 
-class ParityCheckConfig(_Section):
+class _ParityCheckConfig(_Section):
     """The first-step parity check (``lightseq_hf.check_parity``): the sequence-parallel first step against
     the same step computed without sequence parallelism; a failure stops the run with one line."""
 
     enabled: StrictBool = True  # check at the first step of a fresh run (sp_size > 1)
-    max_tokens: PosInt | None = None  # tokens checked (a prefix of the first micro-batch); None: ~4%
-    rtol: PosFloat | None = None  # relative tolerance; None: by dtype (float32 1e-5, bfloat16 0.1)
+    max_tokens: _PosInt | None = None  # tokens checked (a prefix of the first micro-batch); None: ~4%
+    rtol: _PosFloat | None = None  # relative tolerance; None: by dtype (float32 1e-5, bfloat16 0.1)
 
 
 class FinetuneConfig(_Section):
     """The whole run."""
 
-    context_length: PosInt = 4096
-    sp_size: PosInt | None = None  # ranks per sequence; None: every rank
+    context_length: _PosInt = 4096
+    sp_size: _PosInt | None = None  # ranks per sequence; None: every rank
     output_dir: str = "runs/finetune"
     tokenizer: str | None = None  # path, ``bytes``, or None (model.path's, if it has one)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    training: TrainingConfig = Field(default_factory=TrainingConfig)
-    logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    saving: SavingConfig = Field(default_factory=SavingConfig)
-    parity: ParityCheckConfig = Field(default_factory=ParityCheckConfig)
+    model: _ModelConfig = Field(default_factory=_ModelConfig)
+    data: _DataConfig = Field(default_factory=_DataConfig)
+    training: _TrainingConfig = Field(default_factory=_TrainingConfig)
+    logging: _LoggingConfig = Field(default_factory=_LoggingConfig)
+    saving: _SavingConfig = Field(default_factory=_SavingConfig)
+    parity: _ParityCheckConfig = Field(default_factory=_ParityCheckConfig)
 
 
 def _dotted(loc: tuple) -> str:
@@ -302,7 +305,7 @@ def config_from_dict(data: dict, overrides: list[str] | None = None, base_dir: s
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"config: expected a mapping at the top level, got {type(data).__name__}")
     data = {k: v for k, v in copy.deepcopy(data or {}).items()  # x-...: a place for YAML anchors
-            if not (isinstance(k, str) and k.startswith(EXTENSION_PREFIX))}
+            if not (isinstance(k, str) and k.startswith(_EXTENSION_PREFIX))}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(data, key, value)
     try:
@@ -445,10 +448,10 @@ def _validate_data(cfg: FinetuneConfig, base: Path | None, vocab: int | None) ->
         if cfg.tokenizer is None and cfg.model.path is None:
             raise ConfigError("tokenizer: text data needs a tokenizer (a path, 'bytes', or model.path's)")
         _check_formats(dc.paths, dc.format)
-    if dc.type != "synthetic" and cfg.tokenizer == "bytes" and vocab is not None and vocab < BYTE_VOCAB:
+    if dc.type != "synthetic" and cfg.tokenizer == "bytes" and vocab is not None and vocab < _BYTE_VOCAB:
         raise ConfigError(
-            f"tokenizer: the byte tokenizer produces {BYTE_VOCAB} ids (256 bytes and end-of-text) but the "
-            f"model's vocab_size is {vocab}; set model.config.vocab_size={BYTE_VOCAB} (or more)")
+            f"tokenizer: the byte tokenizer produces {_BYTE_VOCAB} ids (256 bytes and end-of-text) but the "
+            f"model's vocab_size is {vocab}; set model.config.vocab_size={_BYTE_VOCAB} (or more)")
     if dc.type == "hub" and not dc.name:
         raise ConfigError("data.name: data.type is 'hub' but no dataset name is given")
     if dc.type == "synthetic":
@@ -461,7 +464,7 @@ def _validate_data(cfg: FinetuneConfig, base: Path | None, vocab: int | None) ->
             )
 
 
-BYTE_VOCAB = 257  # data.ByteTokenizer: ids 0-255 and the end-of-text id 256
+_BYTE_VOCAB = 257  # data.ByteTokenizer: ids 0-255 and the end-of-text id 256
 
 
 def _check_formats(paths: list[str], fmt: str) -> None:

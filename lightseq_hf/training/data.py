@@ -22,12 +22,17 @@ from torch.utils.data import Dataset, Sampler
 
 from .errors import ConfigError
 
+__all__ = ["ByteTokenizer", "FILE_FORMATS", "ParallelSampler", "build_text_dataset", "build_train_dataset",
+           "collate", "data_fingerprint", "detect_format", "document_labels", "load_raw_dataset",
+           "load_tokenizer", "pack_documents", "pack_token_lists", "passkey_spec", "require_tokenizer",
+           "tokenize_and_pack"]
+
 FILE_FORMATS = {  # extension -> the `datasets` builder
     ".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".md": "text",
     ".parquet": "parquet", ".csv": "csv"}
 
 
-BYTE_TOKENIZER_FILE = "lightseq_tokenizer.json"
+_BYTE_TOKENIZER_FILE = "lightseq_tokenizer.json"
 
 
 class ByteTokenizer:
@@ -46,7 +51,7 @@ class ByteTokenizer:
 
     def save_pretrained(self, directory: str | Path) -> None:
         """Mark ``directory`` (a checkpoint) as using this tokenizer (:func:`load_tokenizer` reads it)."""
-        Path(directory, BYTE_TOKENIZER_FILE).write_text('{"tokenizer": "bytes", "vocab_size": 257}\n')
+        Path(directory, _BYTE_TOKENIZER_FILE).write_text('{"tokenizer": "bytes", "vocab_size": 257}\n')
 
 
 def load_tokenizer(name: str | None, model_path: str | None = None) -> Any:
@@ -56,7 +61,7 @@ def load_tokenizer(name: str | None, model_path: str | None = None) -> Any:
     path = name or model_path
     if path is None:
         return None
-    if Path(path, BYTE_TOKENIZER_FILE).is_file():  # a checkpoint of a run that used `bytes`
+    if Path(path, _BYTE_TOKENIZER_FILE).is_file():  # a checkpoint of a run that used `bytes`
         return ByteTokenizer()
     from transformers import AutoTokenizer
 
@@ -99,7 +104,7 @@ def load_raw_dataset(data_cfg: Any) -> Any:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - `datasets` wraps the reader's error (encoding, syntax, network)
-        raise ConfigError(unreadable_data(data_cfg, e)) from e
+        raise ConfigError(_unreadable_data(data_cfg, e)) from e
     if data_cfg.text_field not in ds.column_names:
         raise ConfigError(
             f"data.text_field: column {data_cfg.text_field!r} not in the data (columns: "
@@ -127,7 +132,7 @@ def _quiet_datasets() -> Iterator[None]:
             datasets.utils.enable_progress_bars()
 
 
-def unreadable_data(data_cfg: Any, error: BaseException) -> str:
+def _unreadable_data(data_cfg: Any, error: BaseException) -> str:
     """One line for data that `datasets` could not read: what, the reader's reason, and the fix."""
     cause = error
     while cause.__cause__ is not None and not isinstance(cause, UnicodeDecodeError):

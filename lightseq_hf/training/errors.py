@@ -3,6 +3,8 @@ and the data readers all raise it, and none of them needs another to do so."""
 
 from __future__ import annotations
 
+__all__ = ["ConfigError"]
+
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key."""

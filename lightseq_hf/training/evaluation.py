@@ -11,6 +11,8 @@ from ..parallel.sharding import shard_for
 from .config import FinetuneConfig
 from .data import collate, passkey_spec
 
+__all__ = ["evaluate_passkey"]
+
 
 @torch.no_grad()
 def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: int, groups: Any,

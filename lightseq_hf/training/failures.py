@@ -15,7 +15,7 @@
   line and ends its process at once, whatever its main thread is blocked in (a collective waiting for
   the failed rank would otherwise wait for ``training.timeout_s``, or end with a backend traceback).
 
-Every rank of a run that stops this way exits with status 1 (:data:`EXIT_STOPPED`), the status of a run
+Every rank of a run that stops this way exits with status 1 (:data:`_EXIT_STOPPED`), the status of a run
 that stopped on a failure, each with one line.
 """
 
@@ -36,8 +36,11 @@ import torch.distributed as dist
 from ..parallel.failures import PeerFailure, failure_line, is_comm_failure, publish_notice, read_notices
 from .output import release_output_dir_locks
 
-EXIT_STOPPED = 1
-PREFIX = "lightseq-finetune: "  # the fine-tune's one-line reports (cli._fail) start so
+__all__ = ["FailureBoard", "OutOfMemoryStop", "PeerWatch", "is_out_of_memory", "main_decides",
+           "out_of_memory_line", "stop_for_out_of_memory", "tell_peers"]
+
+_EXIT_STOPPED = 1
+_PREFIX = "lightseq-finetune: "  # the fine-tune's one-line reports (cli._fail) start so
 _READ = "lightseq_failure/read/"
 _LINGER_S = 1.0  # a peer's exit after reading a notice waits this long: the failed rank prints first
 
@@ -130,10 +133,10 @@ class FailureBoard:
         self._watch.add(f"{_READ}{rank}", 1)
 
 
-def end_process(line: str, mark_read: Callable[[], None] = lambda: None) -> None:
+def _end_process(line: str, mark_read: Callable[[], None] = lambda: None) -> None:
     """Print ``line`` as this process's one report, tell the failed rank (``mark_read``), and end the
-    process (exit status :data:`EXIT_STOPPED`); what the process writes after the line is discarded."""
-    print(PREFIX + line, file=sys.stderr, flush=True)
+    process (exit status :data:`_EXIT_STOPPED`); what the process writes after the line is discarded."""
+    print(_PREFIX + line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
@@ -143,16 +146,16 @@ def end_process(line: str, mark_read: Callable[[], None] = lambda: None) -> None
     finally:
         release_output_dir_locks()
         time.sleep(_LINGER_S)
-        os._exit(EXIT_STOPPED)
+        os._exit(_EXIT_STOPPED)
 
 
 class PeerWatch(threading.Thread):
     """Reads the other ranks' notices every ``interval_s``; the first one ends this process through
-    ``on_failure(line, mark_read)`` (default :func:`end_process`), unless this rank published a notice
+    ``on_failure(line, mark_read)`` (default :func:`_end_process`), unless this rank published a notice
     of its own (it then marks the others' notices read and reports its own failure itself)."""
 
     def __init__(self, board: FailureBoard, interval_s: float = 0.2,
-                 on_failure: Callable[[str, Callable[[], None]], None] = end_process) -> None:
+                 on_failure: Callable[[str, Callable[[], None]], None] = _end_process) -> None:
         super().__init__(name="lightseq-peer-watch", daemon=True)
         self.board, self.interval_s, self.on_failure = board, interval_s, on_failure
         self._stop_event = threading.Event()

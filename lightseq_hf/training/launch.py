@@ -28,14 +28,17 @@ from pathlib import Path
 
 import lightseq_hf
 
-EXIT_FAILED = 1
+__all__ = ["LAUNCHER_PID_ENV", "STOP_SIGNALS", "accelerate_env", "launch", "use_expandable_segments",
+           "worker_env"]
+
+_EXIT_FAILED = 1
 _REPORTED = (1, 2)  # exit statuses whose reason the worker printed itself
 #: set in each worker's environment: the launcher's process id (the worker stops when it dies)
 LAUNCHER_PID_ENV = "LIGHTSEQ_LAUNCHER_PID"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 #: the CUDA caching allocator's setting every training process starts with, unless the user chose one
-EXPANDABLE_SEGMENTS = "expandable_segments:True"
+_EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 
 class _Stopped(Exception):
@@ -83,12 +86,12 @@ def use_expandable_segments(environ: MutableMapping[str, str] = os.environ) -> s
     first allocation: call this before the process touches CUDA. Expandable segments grow one mapping
     per stream instead of caching blocks of fixed sizes, so long-context steps, whose activations change
     size from layer to layer, do not strand reserved but unallocated memory."""
-    for name in (ALLOC_CONF, "PYTORCH_ALLOC_CONF"):
+    for name in (_ALLOC_CONF, "PYTORCH_ALLOC_CONF"):
         if environ.get(name):
             return f"{name}={environ[name]} (set by the user) configures the CUDA allocator"
-    environ[ALLOC_CONF] = EXPANDABLE_SEGMENTS
-    return (f"{ALLOC_CONF}={EXPANDABLE_SEGMENTS}: the CUDA allocator grows its segments instead of "
-            f"fragmenting (set {ALLOC_CONF} to choose otherwise)")
+    environ[_ALLOC_CONF] = _EXPANDABLE_SEGMENTS
+    return (f"{_ALLOC_CONF}={_EXPANDABLE_SEGMENTS}: the CUDA allocator grows its segments instead of "
+            f"fragmenting (set {_ALLOC_CONF} to choose otherwise)")
 
 
 def _describe_death(rank: int, code: int) -> str:
@@ -176,4 +179,4 @@ def launch(nproc: int, module: str, worker_args: list[str], accelerate_config: s
     for rank, code in failed:
         if code not in _REPORTED and rank not in ended:
             print(f"lightseq-finetune: {_describe_death(rank, code)}", file=sys.stderr, flush=True)
-    return next((c for _, c in failed if c in _REPORTED), EXIT_FAILED)
+    return next((c for _, c in failed if c in _REPORTED), _EXIT_FAILED)

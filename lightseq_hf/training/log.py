@@ -12,12 +12,14 @@ import logging
 import sys
 from typing import TextIO
 
+__all__ = ["install_console_handler", "logger"]
+
 logger = logging.getLogger("lightseq_hf.training")
 
 _ROOT = "lightseq_hf"
 
 
-class ConsoleFormatter(logging.Formatter):
+class _ConsoleFormatter(logging.Formatter):
     """``[lightseq] <message>``; warnings and errors name their level."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -44,7 +46,7 @@ def install_console_handler(stream: TextIO | None = None, level: int = logging.I
         if isinstance(h, _ConsoleHandler):
             root.removeHandler(h)
     handler = _ConsoleHandler(stream)
-    handler.setFormatter(ConsoleFormatter())
+    handler.setFormatter(_ConsoleFormatter())
     root.addHandler(handler)
     root.setLevel(level)
     return handler

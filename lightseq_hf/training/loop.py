@@ -56,6 +56,8 @@ from .output import release_output_dir_locks as release_locks
 from .planning import memory_advice
 from .saving import read_completion_record
 
+__all__ = ["StepResult", "Trainer", "train"]
+
 
 @dataclass
 class StepResult:

@@ -19,10 +19,13 @@ from .errors import ConfigError
 from .log import logger
 from .saving import CheckpointError, checkpoint_step, find_latest_checkpoint, verify_checkpoint
 
-RUN_FILES = ("summary.json", "loss.png", "config.json")
+__all__ = ["LOCK_FILE", "MetricsWriter", "plot_metrics", "prepare_output_dir", "read_summary",
+           "release_output_dir_locks", "write_json"]
+
+_RUN_FILES = ("summary.json", "loss.png", "config.json")
 
 
-def strict_json(record: dict) -> dict:
+def _strict_json(record: dict) -> dict:
     """``record`` with every non-finite float replaced by null; the replaced values are listed under
     ``nonfinite`` (``{"loss": "nan"}``), so strict JSON parsers read the file and nothing is lost."""
     out, bad = {}, {}
@@ -37,11 +40,11 @@ def strict_json(record: dict) -> dict:
 
 
 def write_json(path: Path, data: dict) -> None:
-    """``data`` as indented strict JSON (non-finite floats as null, see :func:`strict_json`)."""
-    path.write_text(json.dumps(strict_json(data), indent=2, allow_nan=False))
+    """``data`` as indented strict JSON (non-finite floats as null, see :func:`_strict_json`)."""
+    path.write_text(json.dumps(_strict_json(data), indent=2, allow_nan=False))
 
 
-def existing_run(out_dir: Path, metrics_file: str) -> list[Path]:
+def _existing_run(out_dir: Path, metrics_file: str) -> list[Path]:
     """What a previous run left in ``out_dir`` (metrics, summary, checkpoints, interrupted saves)."""
     found = [p for p in (out_dir / metrics_file, out_dir / "summary.json") if p.exists()]
     found += sorted(p for p in out_dir.glob("checkpoint-*") if checkpoint_step(p) is not None)
@@ -49,7 +52,7 @@ def existing_run(out_dir: Path, metrics_file: str) -> list[Path]:
     return found
 
 
-def check_writable(out_dir: Path, dry_run: bool) -> None:
+def _check_writable(out_dir: Path, dry_run: bool) -> None:
     """ConfigError unless ``out_dir`` can be created and written (``dry_run``: a probe file is written
     and removed in it or in its nearest existing parent; nothing stays)."""
     try:
@@ -72,7 +75,7 @@ LOCK_FILE = ".lightseq-run.lock"
 _held_locks: dict[Path, int] = {}
 
 
-def lock_output_dir(out_dir: Path, dry_run: bool) -> None:
+def _lock_output_dir(out_dir: Path, dry_run: bool) -> None:
     """One run at a time in ``out_dir``: an exclusive lock on its lock file, held until the run ends
     (:func:`release_output_dir_locks`, called however it ends; the system releases the lock when the
     process dies, and a file left by a killed process locks nothing). ConfigError, naming the holder, when
@@ -140,7 +143,7 @@ def _find_resume(cfg: FinetuneConfig, out_dir: Path, dry_run: bool) -> Path | No
 
 def _protect_previous_run(cfg: FinetuneConfig, out_dir: Path, dry_run: bool) -> None:
     """Refuse to start in a directory that holds a run, or move that run into ``previous-<time>/``."""
-    previous = existing_run(out_dir, cfg.logging.metrics_file)
+    previous = _existing_run(out_dir, cfg.logging.metrics_file)
     s = cfg.saving
     if not previous:
         return
@@ -158,7 +161,7 @@ def _protect_previous_run(cfg: FinetuneConfig, out_dir: Path, dry_run: bool) -> 
     while archive.exists():
         archive, n = out_dir / f"previous-{stamp}-{n}", n + 1
     archive.mkdir()
-    for p in previous + [out_dir / name for name in RUN_FILES if (out_dir / name).exists()]:
+    for p in previous + [out_dir / name for name in _RUN_FILES if (out_dir / name).exists()]:
         if p.exists():
             shutil.move(str(p), str(archive / p.name))
     logger.info(f"moved the previous run (nothing to resume from) to {archive}")
@@ -182,8 +185,8 @@ def prepare_output_dir(cfg: FinetuneConfig, dry_run: bool = False) -> Path | Non
     checks the same without creating, moving or logging anything.
     """
     out_dir = Path(cfg.output_dir)
-    check_writable(out_dir, dry_run)
-    lock_output_dir(out_dir, dry_run)
+    _check_writable(out_dir, dry_run)
+    _lock_output_dir(out_dir, dry_run)
     resume = _find_resume(cfg, out_dir, dry_run)
     if resume is not None and not (resume / "state").is_dir():
         raise CheckpointError(
@@ -239,7 +242,7 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if self.path is not None:
             with open(self.path, "a") as f:
-                f.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
+                f.write(json.dumps(_strict_json(record), allow_nan=False) + "\n")
 
 
 def plot_metrics(metrics_path: Path, png_path: Path, title: str = "") -> None:

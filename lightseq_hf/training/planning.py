@@ -10,6 +10,9 @@ from typing import Any
 
 from .errors import ConfigError
 
+__all__ = ["describe_offload", "memory_advice", "offload_value", "plan_inputs", "plan_text",
+           "resolve_auto_offload"]
+
 
 def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
     """The planner's ``(ModelShape, PlanOptions)`` for a config run on ``world`` processes."""
@@ -32,11 +35,11 @@ def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
                        compute_dtype=compute, checkpointing=t.checkpointing,
                        offload_checkpoints=offload_value(t.offload_checkpoints), tiled_mlp=t.tiled_mlp,
                        cpu_offload=t.cpu_offload,
-                       attention_kernel=planned_backend(cfg, shape.head_dim, compute))
+                       attention_kernel=_planned_backend(cfg, shape.head_dim, compute))
     return shape, opts
 
 
-def planned_backend(cfg: Any, head_dim: int, compute_dtype: str) -> str:
+def _planned_backend(cfg: Any, head_dim: int, compute_dtype: str) -> str:
     """The backend whose declared backward memory the plan counts: ``training.backend``; for ``auto``, the
     one ``auto`` picks for the run's attention (packed documents or one causal sequence per row) on this
     machine's GPU, or, planned where no GPU is visible, the vendor kernel of the mask (cuDNN attention;
@@ -144,7 +147,7 @@ def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
 
 
 #: tokens per tile of the tiled MLP the out-of-memory advice proposes
-ADVICE_TILE = 8192
+_ADVICE_TILE = 8192
 
 
 def _memory_options(cfg: Any, world: int, sharding: str) -> list[tuple[str, dict]]:
@@ -157,7 +160,7 @@ def _memory_options(cfg: Any, world: int, sharding: str) -> list[tuple[str, dict
     if t.offload_checkpoints is not True and t.offload_checkpoints != "auto":  # none, or some layers
         out.append(("training.offload_checkpoints=auto", {"offload_checkpoints": "auto"}))
     if t.tiled_mlp is None:
-        out.append((f"training.tiled_mlp={ADVICE_TILE}", {"tiled_mlp": ADVICE_TILE}))
+        out.append((f"training.tiled_mlp={_ADVICE_TILE}", {"tiled_mlp": _ADVICE_TILE}))
     if (cfg.sp_size or world) < world:
         out.append((f"sp_size={world}", {"sp_size": world}))
     if not t.cpu_offload and sharding == "fsdp" and world > 1:

@@ -21,6 +21,8 @@ from .data import data_fingerprint, load_raw_dataset, load_tokenizer, require_to
 from .layout import DataLayout, check_resume_layout, place_resume
 from .saving import read_completion_record
 
+__all__ = ["preflight"]
+
 
 def _model(cfg: FinetuneConfig) -> torch.nn.Module:
     """The model the run builds, on the meta device; ConfigError when Transformers or the patch refuse it."""

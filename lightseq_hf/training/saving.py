@@ -18,6 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+__all__ = ["COMPLETION_RECORD", "CheckpointError", "checkpoint_step", "file_sha256", "find_latest_checkpoint",
+           "publish", "read_completion_record", "temporary_path", "verify_checkpoint",
+           "write_completion_record"]
+
 COMPLETION_RECORD = "checkpoint_complete.json"
 _NAME = re.compile(r"checkpoint-(\d+)")
 
@@ -62,7 +66,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
+def _write_json_atomic(path: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` through a temporary file, fsync, rename."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -85,7 +89,7 @@ def write_completion_record(directory: str | Path, step: int, meta: dict | None 
             entry["sha256"] = file_sha256(p)
         files[p.relative_to(root).as_posix()] = entry
     record = {"step": step, "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "meta": meta or {}, "files": files}
-    write_json_atomic(root / COMPLETION_RECORD, record)
+    _write_json_atomic(root / COMPLETION_RECORD, record)
     return record
 
 

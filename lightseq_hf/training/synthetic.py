@@ -27,7 +27,9 @@ from torch.utils.data import Dataset
 
 from ..parallel.sharding import IGNORE_INDEX
 
-BOS, NEEDLE, QUERY = 0, 1, 2
+__all__ = ["NEEDLE", "PasskeyDataset", "PasskeySpec", "QUERY", "answer_accuracy", "make_passkey_sample"]
+
+_BOS, NEEDLE, QUERY = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def make_passkey_sample(spec: PasskeySpec, index: int) -> dict[str, torch.Tensor
         ids = sentence.roll(-phase).repeat(n // spec.filler_period + 1)[:n].clone()
     else:
         ids = torch.randint(spec.first_filler, spec.vocab_size, (n,), generator=g)
-    ids[0] = BOS
+    ids[0] = _BOS
     key = torch.randint(0, spec.num_values, (L,), generator=g) + 3 + spec.num_values * torch.arange(L)
     pos = int(torch.randint(1, spec.needle_stop, (1,), generator=g))
     ids[pos] = NEEDLE
