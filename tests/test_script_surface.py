@@ -257,12 +257,12 @@ def test_the_scan_sees_what_it_checks(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import os, subprocess\nimport lightseq_hf\nfrom lightseq_hf.parallel import ops\n"
                    "from lightseq_hf.kernels import no_such_name\n"
-                   "ops.BACKWARD_CHUNK_BYTES = 1\nx = lightseq_hf.kernels._cache\n"
+                   "ops.BACKWARD_CHUNK_BYTES = 1\nx = lightseq_hf.kernels.no_such_attribute\n"
                    "subprocess.run([], env=dict(os.environ, PYTHONPATH='.'))\n")
     names = {u.name for u in library_uses(bad)}
-    assert {"lightseq_hf.kernels.no_such_name", "lightseq_hf.kernels._cache",
+    assert {"lightseq_hf.kernels.no_such_name", "lightseq_hf.kernels.no_such_attribute",
             "lightseq_hf.parallel.ops.BACKWARD_CHUNK_BYTES"} <= names
-    assert resolve("lightseq_hf.kernels.no_such_name") and resolve("lightseq_hf.kernels._cache")
+    assert resolve("lightseq_hf.kernels.no_such_name") and resolve("lightseq_hf.kernels.no_such_attribute")
     assert resolve("lightseq_hf.parallel.ops.BACKWARD_CHUNK_BYTES") is None
     assert rebinding_problems([bad]) == ["bad.py:5: ops.BACKWARD_CHUNK_BYTES = 1"]
     assert len(pythonpath_problems([bad])) == 1
@@ -504,16 +504,19 @@ def test_internal_surface_hooks_run_on_the_cpu():
         assert kept == list(model.parameters())
     assert loop.build_optimizer is build.build_optimizer
 
-    original = loop.Trainer._gradient_sync
+    from accelerate.utils import DistributedType
+
+    trainer = loop.Trainer.__new__(loop.Trainer)
+    calls = []
+    accelerator = type("Accelerator", (), {"no_sync": lambda self, m: calls.append(m),
+                                           "distributed_type": DistributedType.FSDP})()
+    trainer.model, trainer.accelerator = model, accelerator
     with trainer_variants.no_sync_until_last_micro_batch():
-        trainer = loop.Trainer.__new__(loop.Trainer)
-        calls = []
-        accelerator = type("Accelerator", (), {"no_sync": lambda self, m: calls.append(m)})()
-        trainer.model, trainer.accelerator = model, accelerator
         trainer._gradient_sync(last=False)
         trainer._gradient_sync(last=True)
-        assert calls == [model]
-    assert loop.Trainer._gradient_sync is original
+        assert calls == [model]  # under FSDP too
+    trainer._gradient_sync(last=False)  # restored: FSDP reduces every micro-batch
+    assert calls == [model]
 
 
 def _tiny_config():
