@@ -42,7 +42,7 @@ __all__ = ["ALIASES", "REGISTRY", "Row", "Selection", "TABLE", "backend_names", 
 
 _ALL_MASKS = frozenset(MaskKind)
 _DENSE = frozenset({MaskKind.CAUSAL, MaskKind.FULL})
-_PACKED = frozenset({MaskKind.DOCUMENTS})
+_PACKED_MASKS = frozenset({MaskKind.DOCUMENTS})
 _HALF = frozenset({torch.float16, torch.bfloat16})
 _FRONTEND = "nvidia-cudnn-frontend"
 _HOPPER = (9, 0)
@@ -125,19 +125,19 @@ TABLE: list[Row] = [
                  "than FlashAttention-2 on every row (4K-64K tokens, heads 32/32, 32/8, 8/8, 8/2, d64 and "
                  "d128, causal and full; H100, cuDNN 9.19); kernels-h100-2026-11-26-gqa.json: the same at "
                  "16K-32K, heads 32/8"),
-    Row("cudnn_fe", capability=_HOPPER, masks=_PACKED, dtypes=_HALF, head_dims=frozenset({64, 128}),
+    Row("cudnn_fe", capability=_HOPPER, masks=_PACKED_MASKS, dtypes=_HALF, head_dims=frozenset({64, 128}),
         packages=frozenset({_FRONTEND}),
         evidence=f"{_PACKED}: fastest registered backend on every row, 1.06-1.51x our Triton kernels and "
                  "1.16-1.57x FlashAttention-2 varlen (16K-128K tokens, heads 32/32 and 32/8, d64 and d128; "
                  "H100, cuDNN 9.19, nvidia-cudnn-frontend 1.32.0); "
                  "packed-kernels-h100-2026-11-26-stream.json: 100 changing rows with graph builds, median "
                  "step 32.0 against Triton's 43.3 ms"),
-    Row("triton", capability=_HOPPER, masks=_PACKED, dtypes=_HALF, head_dims=frozenset({128}),
+    Row("triton", capability=_HOPPER, masks=_PACKED_MASKS, dtypes=_HALF, head_dims=frozenset({128}),
         evidence=f"{_PACKED} and packed-kernels-h100-2026-11-25.json, without nvidia-cudnn-frontend, "
                  "d128: our Triton kernels 1.03-1.16x faster than FlashAttention-2 varlen at 64K-128K "
                  "tokens and 1.10-1.11x at 16K-32K with heads 32/32; FlashAttention-2 varlen 1.02-1.11x "
                  "faster at 16K-32K with heads 32/8"),
-    Row("flash_varlen", capability=_HOPPER, masks=_PACKED, dtypes=_HALF, head_dims=frozenset({64}),
+    Row("flash_varlen", capability=_HOPPER, masks=_PACKED_MASKS, dtypes=_HALF, head_dims=frozenset({64}),
         evidence=f"{_PACKED} and packed-kernels-h100-2026-11-25.json, without nvidia-cudnn-frontend, "
                  "d64 at 64K tokens: FlashAttention-2 varlen 1.09-1.13x faster than our Triton kernels"),
     # the vendor kernels: any class without a measured row
@@ -146,10 +146,10 @@ TABLE: list[Row] = [
     Row("sdpa_flash", masks=_DENSE, min_capability=_AMPERE,
         why="the vendor kernel for dense masks where torch's cuDNN attention is not available: "
             "FlashAttention-2"),
-    Row("cudnn_fe", masks=_PACKED, min_capability=_AMPERE, packages=frozenset({_FRONTEND}),
+    Row("cudnn_fe", masks=_PACKED_MASKS, min_capability=_AMPERE, packages=frozenset({_FRONTEND}),
         why="the vendor kernel for packed documents: cuDNN's variable-length attention "
             "(nvidia-cudnn-frontend)"),
-    Row("flash_varlen", masks=_PACKED, min_capability=_AMPERE,
+    Row("flash_varlen", masks=_PACKED_MASKS, min_capability=_AMPERE,
         why="the vendor kernel for packed documents without nvidia-cudnn-frontend: torch's "
             "FlashAttention-2 varlen kernels"),
     # the last resorts
