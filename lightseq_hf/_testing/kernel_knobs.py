@@ -9,7 +9,7 @@ The library reads no environment variable for these; a test or benchmark calls t
 - :func:`triton_kernels`: the Triton kernels themselves, for compile checks and resource reports.
 - :func:`cudnn_backward_fell_back`: whether the ``sdpa_cudnn`` backend's backward has switched to flash.
 - :func:`cudnn_fe_op_calls`: the calls the ``cudnn_fe`` backend makes to the nvidia-cudnn-frontend ops.
-- :func:`cudnn_fe_unloaded`: the ``cudnn_fe`` backend as before its first load of that package.
+- :func:`cudnn_fe_unloaded`: the ``cudnn_fe`` backend with that package not yet loaded.
 """
 
 from __future__ import annotations
