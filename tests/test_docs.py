@@ -257,6 +257,8 @@ def test_the_quick_start_says_what_it_runs_and_how_long_it_took():
     assert f"Took {took} on a 2-core machine shared with other jobs, {cpu_time}" in header
     assert f"{tiny['wall_s']:.0f} s ({took})" in tiny_section
     assert f"{tiny['cpu_s']:.0f} s of CPU time" in tiny_section
+    suite = record["test_sh"]
+    assert f"`test.sh`'s pytest run took {suite['pytest_s'] / 60:.0f} minutes" in readme
 
 
 def _summary(name: str) -> dict:
