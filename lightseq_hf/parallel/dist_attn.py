@@ -39,7 +39,7 @@ from .merge import empty_running, merge_into
 from .schedule import Schedule, SpanTask, Task
 from .segments import local_key_range
 
-__all__ = ["TaskMasks", "dist_attn_backward", "dist_attn_forward"]
+__all__ = ["TaskMasks", "dist_attn_backward", "dist_attn_forward", "lse_folded_delta"]
 
 _Bundle = dict[str, torch.Tensor]
 #: ``task -> DocBlocks``: the documents of a task as blocks, for kernels with ``supports_doc_blocks``.
@@ -276,6 +276,20 @@ def _plan_gradients(
     return transfers, merges
 
 
+def lse_folded_delta(kernel: AttentionKernel, dout: torch.Tensor, out: torch.Tensor,
+                     dlse: torch.Tensor | None) -> torch.Tensor:
+    """The backward's row sums ``delta = rowsum(dout * out)``, with a gradient ``dlse`` of the lse folded in:
+    d lse_i / d s_ij = p_ij, so the score gradient p * (dp - delta) becomes p * (dp - (delta - dlse)).
+    ValueError for ``dlse`` with a kernel whose backward recomputes delta from ``out``."""
+    if dlse is not None and kernel.capabilities.needs_out_in_backward:
+        raise ValueError(
+            f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
+            "backend='triton' or 'reference', or do not use the lse in the loss."
+        )
+    delta = attention_delta(dout, out)
+    return delta if dlse is None else delta - dlse.to(delta.dtype)
+
+
 def dist_attn_backward(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -295,18 +309,10 @@ def dist_attn_backward(
     """The schedule loop of the backward: this rank's (dq, dk, dv) in the input dtype; ``out``/``lse`` are
     this rank's global results.
 
-    A gradient ``dlse`` of the lse folds into delta: d lse_i / d s_ij = p_ij, so the
-    score gradient p * (dp - delta) becomes p * (dp - (delta - dlse)).
+    A gradient ``dlse`` of the lse folds into delta (:func:`lse_folded_delta`).
     """
     needs_out = kernel.capabilities.needs_out_in_backward
-    if needs_out and dlse is not None:
-        raise ValueError(
-            f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
-            "backend='triton' or 'reference', or do not use the lse in the loss."
-        )
-    delta = attention_delta(dout, out)
-    if dlse is not None:
-        delta = delta - dlse.to(delta.dtype)
+    delta = lse_folded_delta(kernel, dout, out, dlse)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)

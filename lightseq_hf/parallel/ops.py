@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels import AttentionKernel, attention_delta, kernel_named
+from ..kernels import AttentionKernel, kernel_named
 from .comm import PeerComm
-from .dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward
+from .dist_attn import TaskMasks, dist_attn_backward, dist_attn_forward, lse_folded_delta
 from .doc_blocks import task_doc_blocks
 from .schedule import Schedule, SpanTask, build_schedule
 from .segment_schedule import build_segment_schedule
@@ -209,14 +209,8 @@ def dist_attn_bwd(
 def _one_rank_backward(kernel: AttentionKernel, dout, q, k, v, out, lse, dlse, scale: float,
                        mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A group of one: the kernel's own backward over every row and key (no accumulators), the gradients in
-    the input dtype. A gradient ``dlse`` of the lse folds into delta, as in :func:`dist_attn_backward`."""
-    delta = None
-    if dlse is not None:
-        if kernel.capabilities.needs_out_in_backward:
-            raise ValueError(f"backend {kernel.name!r} cannot back-propagate through the returned lse; use "
-                             "backend='triton' or 'reference', or do not use the lse in the loss.")
-        delta = attention_delta(dout, out)
-        delta = delta - dlse.to(delta.dtype)
+    the input dtype. A gradient ``dlse`` of the lse folds into delta (:func:`lse_folded_delta`)."""
+    delta = None if dlse is None else lse_folded_delta(kernel, dout, out, dlse)
     grads = kernel.backward(dout, q, k, v, out, lse, scale=scale, mask=mask, delta=delta)
     return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
