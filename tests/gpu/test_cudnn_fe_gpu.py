@@ -2,8 +2,8 @@
 ops) behind ``cudnn_fe``, in bf16, against a float64 reference (the reference kernel with key ranges, or per
 document), forward and backward: every task of a 2-way segment schedule and whole rows, documents of one
 token and documents crossing shards, GQA, head dims 64 and 128; the op's own facts (lse layout, one graph per
-bucketed shape); the cuDNN backward hazard of key lengths 64 mod 128 with an lse below -88.7; through
-``dist_flash_attn`` on one GPU, and on 2 GPUs (NCCL) when present.
+bucketed shape); the cuDNN backward hazard of key lengths 64 mod 128 with an lse below -88.7
+(``dist_flash_attn`` over packed rows on one and two GPUs, for every packed backend, is in test_packed_gpu.py).
 
 Run on a machine with a CUDA GPU and the package (``pip install --no-deps nvidia-cudnn-frontend==1.32.0``):
 ``python -m pytest tests/gpu/test_cudnn_fe_gpu.py``.
@@ -17,10 +17,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from distributed import rel_err, run_distributed
+from distributed import rel_err
+from packed_cases import TINY_LSE, bound, inputs, layouts
 
 from lightseq_hf._testing import kernel_knobs
-from lightseq_hf.kernels import KernelRequest, MaskKind, cudnn_fe, get_kernel, select_backend
+from lightseq_hf.kernels import cudnn_fe, get_kernel
 from lightseq_hf.kernels.base import make_doc_blocks, merge_into
 from lightseq_hf.kernels.cudnn_fe_layout import key_length_hazard
 from lightseq_hf.kernels.reference import ReferenceKernel
@@ -33,43 +34,6 @@ DEV = torch.device("cuda")
 if cudnn_fe.unavailable_reason() is not None:
     pytest.skip(f"backend 'cudnn_fe' {cudnn_fe.unavailable_reason()}", allow_module_level=True)
 VERSION = cudnn_fe.ops().cudnn_version
-
-
-def random_docs(n, seed, *, pad=False, max_len=1500):
-    g = torch.Generator().manual_seed(seed)
-    t, docs = (37 if pad else 0), []
-    end = n - (53 if pad else 0)
-    while t < end:
-        size = int(torch.randint(1, max_len, (1,), generator=g))
-        docs.append((t, min(end, t + size)))
-        t += size + (int(torch.randint(0, 3, (1,), generator=g)) if pad else 0)  # gaps: padding inside
-    return tuple(d for d in docs if d[1] > d[0])
-
-
-def layouts(n):
-    yield "random lengths, batch 2 with padding", (random_docs(n, 1), random_docs(n, 2, pad=True))
-    short = tuple((a + 64, b + 64) for a, b in random_docs(n - 64, 3, max_len=40))
-    yield "one-token documents among short ones", (tuple((t, t + 1) for t in range(64)) + short,)
-    yield "one document", (((0, n),),)
-    yield "one document + all-padding row", (((5, n - 7),), ())
-    # key lengths 64 mod 128 whole and across the shard boundary (192 tokens from n/2 - 64)
-    half = n // 2
-    yield "key lengths 64 mod 128", (((0, 64), (64, half - 64), (half - 64, half + 128), (half + 128, n)),)
-
-
-def bound(b_err, rounded_to_bf16=False):
-    """At most twice the error of the reference kernel on the same bf16 inputs, plus a floor: 1e-4, or 2e-3
-    where the op writes bf16 (gradients: 2^-9 relative rounding, ~1.1e-3 rms) and the reference float32."""
-    return 2 * b_err + (2e-3 if rounded_to_bf16 else 1e-4)
-
-
-def _inputs(b, n, h, hk, d, seed, tiny_lse=False, device=DEV):
-    g = torch.Generator(device=device).manual_seed(seed)
-    q, dout = (torch.randn(b, n, h, d, device=device, generator=g, dtype=torch.float64) for _ in "qd")
-    k, v = (torch.randn(b, n, hk, d, device=device, generator=g, dtype=torch.float64) for _ in "kv")
-    if tiny_lse:  # every score near -40 * 40 / sqrt(d): lse far below -88.7
-        q[..., 0], k[..., 0] = -40.0, 40.0
-    return q, k, v, dout
 
 
 def test_op_facts():
@@ -114,7 +78,7 @@ def test_kernel_per_task_bf16_matches_float64_reference(hk, d):
     failures = []
     for name, docs in layouts(n):
         seg, b = Segments(n, docs), len(docs)
-        q, k, v, dout = _inputs(b, n, h, hk, d, len(name) + hk + d, tiny_lse="64 mod 128" in name)
+        q, k, v, dout = inputs(b, n, h, hk, d, len(name) + hk + d, DEV, tiny_lse=name == TINY_LSE)
         lo, hi = key_ranges(seg, causal=True, device=DEV)
         tasks = [(t, chunk) for step in build_segment_schedule(world, seg, True).steps for t in step if t]
         tasks.append((SpanTask(0, 0, 0, n, 0, diagonal=True), n))  # world 1: the whole rows
@@ -173,7 +137,7 @@ def test_key_lengths_64_mod_128_with_an_lse_below_minus_88(causal):
     matches float64."""
     h, hk, d = 8, 2, 128
     lens = (64, 192, 100, 320)
-    q, k, v, dout = _inputs(1, sum(lens), h, hk, d, 5, tiny_lse=True)
+    q, k, v, dout = inputs(1, sum(lens), h, hk, d, 5, DEV, tiny_lse=True)
     blocks = make_doc_blocks(lens, lens, slice(0, sum(lens)), slice(0, sum(lens)), causal, DEV)
     qb, kb, vb, db = (x.bfloat16() for x in (q, k, v, dout))
     ops = cudnn_fe.ops()
@@ -230,76 +194,8 @@ def test_a_bucketed_shape_reuses_the_ops_graph():
     before = set(cudnn_fe.ops().graphs)  # keys: the cache holds 128 graphs, older ones are dropped
     for lens in ((300, 200, 100), (500, 10, 20, 30), (257, 257, 257, 1), (400, 350)):  # 3-4 docs, <= 512
         n = sum(lens)
-        q, k, v, dout = (x.bfloat16() for x in _inputs(1, n, h, hk, d, n))
+        q, k, v, dout = (x.bfloat16() for x in inputs(1, n, h, hk, d, n, DEV))
         blocks = make_doc_blocks(lens, lens, slice(0, n), slice(0, n), True, DEV)
         out, lse = kernel.forward(q, k, v, causal=False, scale=0.1, doc_blocks=blocks)
         kernel.backward(dout, q, k, v, out, lse, causal=False, scale=0.1, doc_blocks=blocks)
     assert len(set(cudnn_fe.ops().graphs) - before) == 2, cudnn_fe.graph_stats()
-
-
-def test_dist_flash_attn_one_gpu_cudnn_fe_against_float64_reference():
-    import lightseq_hf
-
-    n, h, hk, d = 4096, 8, 2, 128
-    docs_request = KernelRequest(DEV, torch.bfloat16, d, d, MaskKind.DOCUMENTS)
-    assert select_backend("cudnn_fe", docs_request) == "cudnn_fe"
-    with pytest.raises(ValueError, match="backend 'cudnn_fe' does not take sliding windows"):
-        select_backend("cudnn_fe", KernelRequest(DEV, torch.bfloat16, d, d, MaskKind.WINDOW))
-    ref = ReferenceKernel(block_q=1024, block_k=1024)
-    for name, docs in layouts(n):
-        q, k, v, dout = _inputs(len(docs), n, h, hk, d, 7, tiny_lse="64 mod 128" in name)
-        rng = local_key_range(*key_ranges(Segments(n, docs), causal=True, device=DEV), 0, n)
-        r_out, r_lse = ref.forward(q, k, v, causal=False, scale=d ** -0.5, key_range=rng)
-        refs = (r_out, r_lse, *ref.backward(dout, q, k, v, r_out, r_lse, causal=False, scale=d ** -0.5,
-                                            key_range=rng))
-        results = {}
-        for backend in ("cudnn_fe", "reference"):  # the reference kernel in bf16 sets the bound
-            qs, ks, vs = (t.bfloat16().requires_grad_() for t in (q, k, v))
-            out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=Segments(n, docs), backend=backend,
-                                                   return_lse=True)
-            out.backward(dout.bfloat16())
-            results[backend] = (out, lse, qs.grad, ks.grad, vs.grad)
-        for label, x, bb, r in zip(("out", "lse", "dq", "dk", "dv"), results["cudnn_fe"],
-                                   results["reference"], refs):
-            err, limit = rel_err(x, r), bound(rel_err(bb, r), rounded_to_bf16=label != "lse")
-            assert err <= limit, f"[{name}] {label}: rel err {err:.2e} > {limit:.2e}"
-
-
-def worker_cudnn_fe(rank, world):
-    import lightseq_hf
-
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    failures = []
-    n, h, hk, d = 4096 * world, 8, 2, 128
-    solo = [torch.distributed.new_group([r]) for r in range(world)][rank]
-    for i, (name, docs) in enumerate(layouts(n)):
-        seg = Segments(n, docs)
-        q, k, v, dout = _inputs(len(docs), n, h, hk, d, 20 + i, "64 mod 128" in name, dev)
-        rng = local_key_range(*key_ranges(seg, causal=True, device=dev), 0, n)
-        ref = ReferenceKernel(block_q=1024, block_k=1024)
-        r_out, r_lse = ref.forward(q, k, v, causal=False, scale=d ** -0.5, key_range=rng)
-        r_grads = ref.backward(dout, q, k, v, r_out, r_lse, causal=False, scale=d ** -0.5, key_range=rng)
-        loc = slice(rank * n // world, (rank + 1) * n // world)
-        refs = [r_out[:, loc], r_lse[:, :, loc]] + [x[:, loc] for x in r_grads]
-
-        def run(a, z, group, seg=seg, q=q, k=k, v=v, dout=dout):
-            qs, ks, vs = (t[:, a:z].bfloat16().requires_grad_() for t in (q, k, v))
-            out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, backend="cudnn_fe",
-                                                   return_lse=True, group=group)
-            out.backward(dout[:, a:z].bfloat16())
-            return [out, lse, qs.grad, ks.grad, vs.grad]
-
-        got = run(loc.start, loc.stop, None)
-        single = [x[:, loc] if x.dim() == 4 else x[:, :, loc] for x in run(0, n, solo)]
-        for label, x, s, r in zip(("out", "lse", "dq", "dk", "dv"), got, single, refs):
-            err, limit = rel_err(x, r), 2 * rel_err(s, r) + 1e-4
-            if not err <= limit:
-                failures.append(f"[{name}] rank {rank}: {label} rel err {err:.2e} > {limit:.2e}")
-    return failures
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_packed_distributed_cudnn_fe_bf16_matches_float64_reference():
-    failures = [f for r in run_distributed(worker_cudnn_fe, 2, backend="nccl") for f in r]
-    assert not failures, "\n".join(failures)

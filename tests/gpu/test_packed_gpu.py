@@ -1,5 +1,6 @@
-"""Packed documents on GPUs: the Triton document-mask kernels (bf16) and the distributed attention on 2
-GPUs (NCCL) against a float64 per-document reference; attention memory independent of the document count.
+"""Packed documents on GPUs: every packed backend (Triton with key ranges, FlashAttention-2 varlen, cuDNN
+varlen) through ``dist_flash_attn`` on one GPU and on 2 GPUs (NCCL) against a float64 per-document reference;
+the Triton document-mask kernels in bf16; attention memory independent of the document count.
 
 Run on a machine with CUDA GPUs: ``python -m pytest tests/gpu/test_packed_gpu.py``.
 """
@@ -14,21 +15,22 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from distributed import rel_err, run_distributed
+from packed_cases import (
+    PACKED_BACKENDS,
+    TINY_LSE,
+    attend,
+    bound,
+    cases,
+    inputs,
+    random_docs,
+    reference,
+    unusable,
+    worker_packed,
+)
 
 from lightseq_hf.kernels import get_kernel
 from lightseq_hf.kernels.reference import ReferenceKernel
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range
-
-
-def random_docs(n, seed, *, pad=False):
-    g = torch.Generator().manual_seed(seed)
-    t, docs = (37 if pad else 0), []
-    end = n - (53 if pad else 0)
-    while t < end:
-        size = int(torch.randint(1, 1500, (1,), generator=g))
-        docs.append((t, min(end, t + size)))
-        t += size
-    return tuple(docs)
 
 
 @pytest.mark.parametrize("window", [None, 700])
@@ -56,46 +58,34 @@ def test_triton_ranged_kernel_bf16_error_at_most_twice_the_reference_kernel_in_b
         assert rel_err(g_, r) <= 2 * rel_err(b, r) + 1e-4
 
 
-def worker_packed(rank, world):
-    import lightseq_hf
-
-    dev = torch.device("cuda", rank)
-    failures = []
-    n, h, hk, d = 4096 * world, 8, 2, 128
-    solo = [torch.distributed.new_group([r]) for r in range(world)][rank]
-    for i, (docs, window) in enumerate((((random_docs(n, 5),), None), ((random_docs(n, 6, pad=True),), 900),
-                                        ((((0, n),),), None))):
+@pytest.mark.parametrize("backend", PACKED_BACKENDS)
+def test_dist_flash_attn_one_gpu_packed_matches_float64_reference(backend):
+    """Every packed layout through ``dist_flash_attn`` on one GPU in bf16: output, lse and gradients within
+    twice the error of the reference kernel on the same bf16 inputs (plus a floor)."""
+    dev = torch.device("cuda")
+    why = unusable(backend, dev)
+    if why:
+        pytest.skip(why)
+    n, h, hk, d = 4096, 8, 2, 128
+    rows = slice(0, n)
+    for name, docs, window in cases(backend, n):
         seg = Segments(n, docs)
-        g = torch.Generator(device=dev).manual_seed(10 + i)
-        q, dout = (torch.randn(1, n, h, d, device=dev, generator=g, dtype=torch.float64) for _ in range(2))
-        k, v = (torch.randn(1, n, hk, d, device=dev, generator=g, dtype=torch.float64) for _ in range(2))
-        lo, hi = key_ranges(seg, causal=True, window=window, device=dev)
-        rng = local_key_range(lo, hi, 0, n)
-        ref = ReferenceKernel(block_q=1024, block_k=1024)
-        r_out, r_lse = ref.forward(q, k, v, causal=False, scale=d ** -0.5, key_range=rng)
-        r_grads = ref.backward(dout, q, k, v, r_out, r_lse, causal=False, scale=d ** -0.5, key_range=rng)
-        loc = slice(rank * n // world, (rank + 1) * n // world)
-        refs = [r_out[:, loc], r_lse[:, :, loc]] + [x[:, loc] for x in r_grads]
-
-        def run(a, b, group, seg=seg, window=window, q=q, k=k, v=v, dout=dout):
-            qs, ks, vs = (t[:, a:b].bfloat16().requires_grad_() for t in (q, k, v))
-            out, lse = lightseq_hf.dist_flash_attn(qs, ks, vs, segments=seg, window=window, backend="triton",
-                                                   return_lse=True, group=group)
-            out.backward(dout[:, a:b].bfloat16())
-            return [out, lse, qs.grad, ks.grad, vs.grad]
-
-        got = run(loc.start, loc.stop, None)
-        single = [x[:, loc] if x.dim() == 4 else x[:, :, loc] for x in run(0, n, solo)]
-        for name, x, s, r in zip(("out", "lse", "dq", "dk", "dv"), got, single, refs):
-            err, bound = rel_err(x, r), 2 * rel_err(s, r) + 1e-4
-            if not err <= bound:
-                failures.append(f"case {i} rank {rank}: {name} rel err {err:.2e} > {bound:.2e}")
-    return failures
+        q, k, v, dout = inputs(len(docs), n, h, hk, d, 7, dev, tiny_lse=name == TINY_LSE)
+        refs = reference(q, k, v, dout, seg, window)
+        got = attend(backend, q, k, v, dout, seg, rows, window=window)
+        in_bf16 = attend("reference", q, k, v, dout, seg, rows, window=window)
+        for label, x, bb, r in zip(("out", "lse", "dq", "dk", "dv"), got, in_bf16, refs):
+            err, limit = rel_err(x, r), bound(rel_err(bb, r), rounded_to_bf16=label != "lse")
+            assert err <= limit, f"[{backend}, {name}] {label}: rel err {err:.2e} > {limit:.2e}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_packed_distributed_bf16_matches_float64_reference():
-    failures = [f for r in run_distributed(worker_packed, 2, backend="nccl") for f in r]
+@pytest.mark.parametrize("backend", PACKED_BACKENDS)
+def test_packed_distributed_bf16_matches_float64_reference(backend):
+    why = unusable(backend, torch.device("cuda"))
+    if why:
+        pytest.skip(why)
+    failures = [f for r in run_distributed(worker_packed, 2, backend, backend="nccl") for f in r]
     assert not failures, "\n".join(failures)
 
 
