@@ -28,7 +28,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Workers fork from one server process per test session that has imported these once: a worker then
+# Workers fork from one server process per pytest run that has imported these once: a worker then
 # starts in well under a second instead of importing torch and transformers again (about 9 s of CPU
 # each on the 2-core CI machine). The server imports only; it never runs an operation, so no thread
 # pool is forked.
@@ -36,10 +36,10 @@ _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.l
 mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
 
 
-def _entry(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, out_dir: str,
-           environ: dict[str, str]) -> None:
+def _entry(rank: int, world: int, port: int, backend: str, out_dir: str, environ: dict[str, str]) -> None:
     os.environ.clear()  # the caller's environment now, not the server's from its start
     os.environ.update(environ)
+    fn, args = torch.load(Path(out_dir) / "call.pt", weights_only=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -74,8 +74,10 @@ def run_distributed(fn: Callable, world: int, *args, backend: str = "gloo") -> l
     """Run ``fn(rank, world, *args)`` on ``world`` processes (gloo on CPU, or nccl with one GPU
     each); return each rank's result."""
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(_entry, args=(world, _free_port(), backend, fn, args, out_dir,
-                                                   dict(os.environ)),
+        # the call goes through a file: a forkserver passes a tensor argument as one descriptor each, and
+        # refuses more than a few hundred (a model's state dict)
+        torch.save((fn, args), Path(out_dir) / "call.pt")
+        context = mp.start_processes(_entry, args=(world, _free_port(), backend, out_dir, dict(os.environ)),
                                      nprocs=world, join=False, start_method="forkserver")
         try:
             while not context.join():
