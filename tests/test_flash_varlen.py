@@ -22,7 +22,7 @@ from lightseq_hf.kernels import (
     get_kernel,
     select_backend,
 )
-from lightseq_hf.kernels.base import merge_into
+from lightseq_hf.kernels.row_stats import merge_into
 from lightseq_hf.parallel.doc_blocks import doc_spans, task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule

@@ -31,11 +31,11 @@ from .base import (
     KernelBase,
     KernelRequest,
     MaskKind,
-    attention_delta,
     check_qkv,
 )
 from .device_class import DeviceClass, device_class
 from .reference import ReferenceKernel
+from .row_stats import attention_delta
 from .working_memory import BackwardMemory, Workspace
 
 #: The built-in names ``backend=`` takes (configuration files validate against it).

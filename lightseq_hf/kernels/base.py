@@ -47,12 +47,11 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from .row_stats import ROW_PASS, attention_delta, stand_in_output  # noqa: F401 (re-exported)
 from .working_memory import BackwardMemory
 
 __all__ = ["AttentionKernel", "AttentionMask", "Capabilities", "DocBlocks", "KernelBase", "KernelRequest",
-           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "attention_delta", "check_key_range", "check_qkv",
-           "check_softcap", "make_doc_blocks", "merge_into", "stand_in_output"]
+           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "check_key_range", "check_qkv", "check_softcap",
+           "make_doc_blocks"]
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]
 Rows = torch.Tensor | slice
@@ -211,8 +210,6 @@ class KernelRequest:
     mask: MaskKind = MaskKind.CAUSAL
     softcap: bool = False
     lse_grad: bool = False  # a gradient will flow through the returned lse (attention sinks, custom merges)
-
-
 
 
 @dataclass(frozen=True)
@@ -462,23 +459,3 @@ def check_key_range(key_range: KeyRange | None, q: torch.Tensor) -> None:
                 f"key_range {name} must be an int32 tensor of shape {shape} on {q.device}; got "
                 f"{t.dtype} {tuple(t.shape)} on {t.device}."
             )
-
-
-def merge_into(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-) -> None:
-    """Merge ``(part_out, part_lse)`` into the running ``(out, lse)`` in place.
-
-    ``out``/``part_out`` are ``(batch, seq, heads, dim)``; ``lse``/``part_lse`` are
-    ``(batch, heads, seq)``. Rows whose lse is ``-inf`` (no key seen yet) contribute
-    nothing; a row with ``-inf`` on both sides stays ``-inf`` with a zero output.
-    """
-    new_lse = torch.logaddexp(lse, part_lse.to(lse.dtype))
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(part_lse.to(lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).addcmul_(part_out, w_new)  # part_out may be in a lower precision (bf16 on the wire)
-    lse.copy_(new_lse)

@@ -12,7 +12,8 @@ from functools import lru_cache
 
 import torch
 
-from .base import DocBlocks, Rows, make_doc_blocks, merge_into
+from .base import DocBlocks, Rows, make_doc_blocks
+from .row_stats import merge_into
 
 __all__ = ["RowMap", "accumulate_dtype", "check_backward_rows", "check_blocks", "gather_rows",
            "gradient_buffers", "in_accumulate_dtype", "merge_rows", "running_buffers", "storage_rows",

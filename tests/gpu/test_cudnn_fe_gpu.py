@@ -21,9 +21,10 @@ from distributed import rel_err, run_distributed
 
 from lightseq_hf._testing import kernel_knobs
 from lightseq_hf.kernels import KernelRequest, MaskKind, cudnn_fe, get_kernel, select_backend
-from lightseq_hf.kernels.base import make_doc_blocks, merge_into
+from lightseq_hf.kernels.base import make_doc_blocks
 from lightseq_hf.kernels.cudnn_fe_layout import key_length_hazard
 from lightseq_hf.kernels.reference import ReferenceKernel
+from lightseq_hf.kernels.row_stats import merge_into
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
 from distributed import rel_err, run_distributed
 
 from lightseq_hf.kernels import KernelRequest, MaskKind, flash_varlen, get_kernel, select_backend
-from lightseq_hf.kernels.base import merge_into
 from lightseq_hf.kernels.reference import ReferenceKernel
+from lightseq_hf.kernels.row_stats import merge_into
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule
