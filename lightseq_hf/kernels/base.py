@@ -50,8 +50,7 @@ import torch
 from .working_memory import BackwardMemory
 
 __all__ = ["AttentionKernel", "AttentionMask", "Capabilities", "DocBlocks", "KernelBase", "KernelRequest",
-           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "check_key_range", "check_qkv", "check_softcap",
-           "make_doc_blocks"]
+           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "check_key_range", "check_qkv", "check_softcap"]
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]
 Rows = torch.Tensor | slice
@@ -75,6 +74,7 @@ class DocBlocks:
     block (int64 index tensors on the device, or a ``slice`` when they are one contiguous run). ``cu_q`` /
     ``cu_k``: int32 cumulative lengths on the device. ``causal``: bottom-right causal mask inside every
     block (else each query row sees all keys of its block). Rows fed to no block see nothing.
+    :func:`~lightseq_hf.kernels.varlen.rows.make_doc_blocks` builds one from host lists.
     """
 
     q_lens: tuple[int, ...]
@@ -113,44 +113,6 @@ class DocBlocks:
         starts = torch.tensor([0, *self.q_lens], dtype=torch.int64).cumsum(0)[:-1]
         pos = torch.arange(self.total_q, dtype=torch.int64) - starts[block]
         return block.to(self.cu_q.device), pos.to(self.cu_q.device)
-
-
-def make_doc_blocks(
-    q_lens: tuple[int, ...],
-    k_lens: tuple[int, ...],
-    q_rows: list[int] | range | slice | torch.Tensor,
-    k_rows: list[int] | range | slice | torch.Tensor,
-    causal: bool,
-    device: torch.device | str,
-) -> DocBlocks:
-    """A :class:`DocBlocks` from host lists or index tensors (row indices become a ``slice`` when
-    contiguous)."""
-    if len(q_lens) != len(k_lens) or min((*q_lens, *k_lens), default=1) < 1:
-        raise ValueError(
-            f"blocks need equal counts of positive query and key lengths; got {q_lens}, {k_lens}."
-        )
-
-    def rows(r, total: int) -> Rows:
-        if isinstance(r, slice):
-            return r
-        if isinstance(r, range) and r.step == 1:
-            return slice(r.start, r.stop)
-        if isinstance(r, torch.Tensor):
-            if r.numel() != total:
-                raise ValueError(f"{r.numel()} row indices for {total} rows of the blocks.")
-            return r.to(device=device, dtype=torch.int64)
-        r = list(r)
-        if len(r) != total:
-            raise ValueError(f"{len(r)} row indices for {total} rows of the blocks.")
-        if r and r == list(range(r[0], r[0] + len(r))):
-            return slice(r[0], r[0] + len(r))
-        return torch.tensor(r, dtype=torch.int64).to(device)
-
-    def cumulative(lens: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-
-    return DocBlocks(tuple(q_lens), tuple(k_lens), rows(q_rows, sum(q_lens)), rows(k_rows, sum(k_lens)),
-                     cumulative(q_lens), cumulative(k_lens), bool(causal))
 
 
 @dataclass(frozen=True, eq=False)

@@ -20,11 +20,12 @@ if not torch.cuda.is_available():
 from distributed import rel_err, run_distributed
 
 from lightseq_hf._testing import kernel_knobs
-from lightseq_hf.kernels import KernelRequest, MaskKind, cudnn_fe, get_kernel, select_backend
-from lightseq_hf.kernels.base import make_doc_blocks
-from lightseq_hf.kernels.cudnn_fe_layout import key_length_hazard
+from lightseq_hf.kernels import KernelRequest, MaskKind, get_kernel, select_backend
 from lightseq_hf.kernels.reference import ReferenceKernel
 from lightseq_hf.kernels.row_stats import merge_into
+from lightseq_hf.kernels.varlen import cudnn as cudnn_fe
+from lightseq_hf.kernels.varlen.cudnn import key_length_hazard
+from lightseq_hf.kernels.varlen.rows import make_doc_blocks
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule
