@@ -3,7 +3,8 @@
 ``reference`` (PyTorch, any device), ``triton`` (our FlashAttention kernels), ``sdpa_cudnn`` /
 ``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``flash_varlen`` (torch's
 FlashAttention-2 varlen kernels: packed documents as one call per task), ``cudnn_fe`` (cuDNN's
-variable-length attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task),
+variable-length attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task;
+both in :mod:`.varlen`),
 ``auto`` (chosen by what the device is: :func:`describe` says which backend a call gets and why).
 """
 
