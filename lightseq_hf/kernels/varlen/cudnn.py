@@ -76,8 +76,7 @@ from .rows import (
 )
 
 __all__ = ["CudnnFeKernel", "GraphShape", "GraphShapes", "OpSet", "ZERO_GRADIENT_VERSIONS", "backward_tokens",
-           "bucket", "graph_stats", "key_length_hazard", "load_ops", "ops", "padded_cu_seqlens",
-           "unavailable_reason"]
+           "bucket", "graph_stats", "key_length_hazard", "load_ops", "ops", "unavailable_reason"]
 
 #: cuDNN versions ``[first, after)`` whose packed (ragged) backward with head-major statistics can return
 #: all-zero gradients: refused
@@ -260,7 +259,7 @@ _shapes = GraphShapes()
 _cu: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def padded_cu_seqlens(blocks: DocBlocks, docs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _padded_cu_seqlens(blocks: DocBlocks, docs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``blocks``' cumulative query and key lengths padded to ``docs`` sequences with empty ones (the last
     total repeated), int32 on the blocks' device; cached."""
     per_blocks = _cu.setdefault(blocks, {})
@@ -284,7 +283,7 @@ def _op_forward(call: DocBlocks, q, k, v, scale: float) -> tuple[torch.Tensor, t
     """``(out (total_q, heads, dim), lse (heads, total_q))`` of the call's fed rows (views of what the op
     returned)."""
     shape = _shapes.choose(_static("forward", call, q, k, v, scale), GraphShape.bucketed(call))
-    cu_q, cu_k = padded_cu_seqlens(call, shape.docs)
+    cu_q, cu_k = _padded_cu_seqlens(call, shape.docs)
     qg, kg, vg = gather_rows(q, call.q_rows), gather_rows(k, call.k_rows), gather_rows(v, call.k_rows)
     o, stats = ops().forward(qg, kg, vg, scale, is_causal=call.causal,
                              causal_bottom_right=needs_bottom_right(call), cu_seqlens_q=cu_q,
@@ -315,7 +314,7 @@ def _op_backward(call: DocBlocks, dout, q, k, v, out, lse, scale: float) -> tupl
     k_tokens, k_span = backward_tokens(call.k_rows, call.total_k, k.shape[0] * k.shape[1], k_room)
     shape = _shapes.choose(_static("backward", call, q, k, v, scale, deterministic),
                            GraphShape.bucketed(call, (q_tokens, k_tokens)), (q_span, k_span))
-    cu_q, cu_k = padded_cu_seqlens(call, shape.docs)
+    cu_q, cu_k = _padded_cu_seqlens(call, shape.docs)
     qg, og, dog = (gather_rows(x.to(q.dtype), call.q_rows, shape.q_tokens) for x in (q, out, dout))
     kg, vg = (gather_rows(x, call.k_rows, shape.k_tokens) for x in (k, v))
     op_lse = _padded_lse(RowMap(call.q_rows, q.shape[0], q.shape[1], q.device).take_lse(lse), call, shape)
