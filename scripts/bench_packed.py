@@ -287,7 +287,8 @@ def packed_backend_list(spec: str, device: torch.device) -> list[str]:
         return [b.strip() for b in spec.split(",") if b.strip()]
     if device.type != "cuda":
         return ["reference"]
-    from lightseq_hf.kernels import cudnn_fe, flash_varlen
+    from lightseq_hf.kernels.varlen import cudnn as cudnn_fe
+    from lightseq_hf.kernels.varlen import flash as flash_varlen
 
     found = ["flash_varlen"] if flash_varlen.usable(device) else []
     if cudnn_fe.unavailable_reason() is None:

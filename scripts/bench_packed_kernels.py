@@ -49,15 +49,9 @@ from benchlib.results import device_name, device_slug, today, version  # noqa: E
 from benchlib.timing import adaptive_event_ms, kernel_ms, pair_flops, timed  # noqa: E402
 from benchlib.workloads import lognormal_docs  # noqa: E402
 
-from lightseq_hf.kernels import (  # noqa: E402
-    AttentionMask,
-    KernelRequest,
-    MaskKind,
-    cudnn_fe,
-    kernel_named,
-    select_backend,
-)
+from lightseq_hf.kernels import AttentionMask, KernelRequest, MaskKind, kernel_named, select_backend  # noqa: E402
 from lightseq_hf.kernels.autoselect import refusal  # noqa: E402
+from lightseq_hf.kernels.varlen import cudnn as cudnn_fe  # noqa: E402
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks  # noqa: E402
 from lightseq_hf.parallel.schedule import SpanTask  # noqa: E402
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule  # noqa: E402

@@ -1,6 +1,6 @@
 """Test-only CPU emulation of the ``nvidia-cudnn-frontend`` torch ops ``cudnn::sdpa_fwd`` /
 ``cudnn::sdpa_bwd`` (their packed ``(tokens, heads, dim)`` path), registered as the ops' CPU kernels under the
-package's own schemas, in float64, and put behind ``lightseq_hf.kernels.cudnn_fe``.
+package's own schemas, in float64, and put behind ``lightseq_hf.kernels.varlen.cudnn``.
 
 It follows the ops' contract and checks the caller keeps it: ``cu_seqlens_q/kv`` int32 on the tensors'
 device, lengths within ``max_seqlen_q/kv``, token totals within the tensors' rows, ``causal_bottom_right``
@@ -210,8 +210,7 @@ def install(setattr_=setattr, cudnn_version: int = 91900, nan_dq_hazard: bool = 
     """Put an :class:`Emulation` behind the ``cudnn_fe`` backend (``setattr_``: ``monkeypatch.setattr`` in
     pytest, plain ``setattr`` in spawned workers) with fresh graph shapes, and make the backend selectable
     off CUDA in float32/float64 (its declared capabilities widened to what the emulation takes)."""
-    from lightseq_hf.kernels import cudnn_fe
-    from lightseq_hf.kernels.cudnn_fe_layout import GraphShapes
+    from lightseq_hf.kernels.varlen import cudnn as cudnn_fe
 
     _register()
     emu = Emulation(cudnn_version, nan_dq_hazard)
@@ -222,7 +221,7 @@ def install(setattr_=setattr, cudnn_version: int = 91900, nan_dq_hazard: bool = 
              replace(caps, devices=None, dtypes=caps.dtypes | {torch.float32, torch.float64}))
     setattr_(cudnn_fe, "load_ops", lambda: ops)
     setattr_(cudnn_fe, "_loaded", {})
-    setattr_(cudnn_fe, "_shapes", GraphShapes())
+    setattr_(cudnn_fe, "_shapes", cudnn_fe.GraphShapes())
     return emu
 
 

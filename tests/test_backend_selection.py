@@ -14,9 +14,10 @@ import torch
 from cudnn_fe_emulation import install
 
 from lightseq_hf import kernels
-from lightseq_hf.kernels import DeviceClass, KernelRequest, MaskKind, describe, flash_varlen, select_backend
+from lightseq_hf.kernels import DeviceClass, KernelRequest, MaskKind, describe, select_backend
 from lightseq_hf.kernels.autoselect import TABLE
 from lightseq_hf.kernels.triton_attn import TritonKernel
+from lightseq_hf.kernels.varlen import flash as flash_varlen
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONTEND = frozenset({"nvidia-cudnn-frontend"})
@@ -107,7 +108,7 @@ def test_describe_says_what_was_passed_over(gpu_ops, monkeypatch):
     chosen = _pick(HOPPER, mask=MaskKind.DOCUMENTS)  # the class lacks the frontend package
     missing = "needs the nvidia-cudnn-frontend package, which is not installed"
     assert ("cudnn_fe", missing) in chosen.passed_over
-    from lightseq_hf.kernels import cudnn_fe
+    from lightseq_hf.kernels.varlen import cudnn as cudnn_fe
 
     monkeypatch.setattr(cudnn_fe, "unavailable_reason", lambda: "runs on cuDNN 9.23.1, whose packed backward "
                                                                 "can return all-zero gradients")

@@ -27,21 +27,18 @@ from lightseq_hf.kernels import (
     KernelRequest,
     MaskKind,
     ReferenceKernel,
-    cudnn_fe,
-    flash_varlen,
     select_backend,
 )
-from lightseq_hf.kernels.base import make_doc_blocks
-from lightseq_hf.kernels.cudnn_fe_layout import (
+from lightseq_hf.kernels.varlen import cudnn as cudnn_fe
+from lightseq_hf.kernels.varlen import flash as flash_varlen
+from lightseq_hf.kernels.varlen.cudnn import (
     GraphShape,
     GraphShapes,
-    aligned_calls,
-    backward_plan,
     backward_tokens,
     bucket,
-    fed_blocks,
     key_length_hazard,
 )
+from lightseq_hf.kernels.varlen.rows import aligned_calls, backward_plan, fed_blocks, make_doc_blocks
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule
@@ -238,7 +235,7 @@ def test_kernel_matches_the_reference_kernel_with_key_ranges(monkeypatch, versio
             ref_out, ref_lse = base_out[:, 1:1 + m].clone(), base_lse[:, :, 1:1 + m].clone()
             kernel.forward(qt, kt, vt, causal=False, scale=0.3, out=run_out[:, 1:1 + m],
                            lse=run_lse[:, :, 1:1 + m], doc_blocks=blocks)
-            from lightseq_hf.kernels.base import merge_into
+            from lightseq_hf.kernels.row_stats import merge_into
 
             merge_into(ref_out, ref_lse, *want)
             assert rel_err(run_out[:, 1:1 + m], ref_out) < 1e-12 and rel_err(run_lse[:, :, 1:1 + m],
@@ -380,7 +377,8 @@ def test_the_package_is_imported_only_when_the_backend_is_asked_for(tmp_path):
     (tmp_path / "cudnn" / "__init__.py").write_text("raise OSError('libcudnn.so.9: cannot open it')\n")
     code = (
         "import sys\nimport lightseq_hf, lightseq_hf.kernels\n"
-        "from lightseq_hf.kernels import cudnn_fe, kernel_named\n"
+        "from lightseq_hf.kernels import kernel_named\n"
+        "from lightseq_hf.kernels.varlen import cudnn as cudnn_fe\n"
         "kernel_named('cudnn_fe')\nassert 'cudnn' not in sys.modules\n"
         "print(cudnn_fe.unavailable_reason())\n"
     )

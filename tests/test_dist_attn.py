@@ -197,29 +197,29 @@ def test_kernels_needing_out_in_backward_get_it():
 
 
 def test_stand_in_output_has_the_row_sums_of_the_output():
-    from lightseq_hf.kernels import row_stats as base
+    from lightseq_hf.kernels import row_stats
 
     g = torch.Generator().manual_seed(3)
     dout, out = (torch.randn(2, 10, 4, 16, generator=g, dtype=torch.float64) for _ in range(2))
     dout[0, 3, 1] = 0  # a row that receives no gradient
     with pytest.MonkeyPatch.context() as patches:
-        patches.setattr(base, "ROW_PASS", 3)  # several passes, the last one short
-        delta = base.attention_delta(dout, out)
-        stand_in = base.stand_in_output(dout, delta)
+        patches.setattr(row_stats, "ROW_PASS", 3)  # several passes, the last one short
+        delta = row_stats.attention_delta(dout, out)
+        stand_in = row_stats.stand_in_output(dout, delta)
     assert torch.allclose(delta, (dout * out).sum(-1).transpose(1, 2), rtol=1e-12, atol=0)
     assert stand_in.shape == dout.shape and stand_in.dtype == dout.dtype
     assert torch.allclose((dout * stand_in).sum(-1).transpose(1, 2), delta, rtol=1e-12, atol=1e-15)
     assert torch.count_nonzero(stand_in[0, 3, 1]) == 0
     # in bf16 the row sums hold to bf16 rounding of the stand-in, relative to delta itself
     bf = dout.bfloat16()
-    delta32 = base.attention_delta(bf, out.bfloat16())
-    got = (bf.float() * base.stand_in_output(bf, delta32).float()).sum(-1).transpose(1, 2)
+    delta32 = row_stats.attention_delta(bf, out.bfloat16())
+    got = (bf.float() * row_stats.stand_in_output(bf, delta32).float()).sum(-1).transpose(1, 2)
     assert ((got - delta32).abs() <= 2**-8 * delta32.abs() + 1e-6).all()
     # gradients far outside the squares' float32 range keep their row sums
     for size in (1e25, 1e-25):
         big = (dout * size).float()
-        delta_big = base.attention_delta(big, out.float())
-        stand_in = base.stand_in_output(big, delta_big)
+        delta_big = row_stats.attention_delta(big, out.float())
+        stand_in = row_stats.stand_in_output(big, delta_big)
         assert torch.isfinite(stand_in).all()
         sums = (big.double() * stand_in.double()).sum(-1).transpose(1, 2)
         assert torch.allclose(sums, delta_big.double(), rtol=1e-5, atol=0), size

@@ -18,11 +18,11 @@ from lightseq_hf.kernels import (
     KernelRequest,
     MaskKind,
     ReferenceKernel,
-    flash_varlen,
     get_kernel,
     select_backend,
 )
-from lightseq_hf.kernels.base import merge_into
+from lightseq_hf.kernels.row_stats import merge_into
+from lightseq_hf.kernels.varlen import flash as flash_varlen
 from lightseq_hf.parallel.doc_blocks import doc_spans, task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule

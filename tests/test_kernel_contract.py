@@ -38,7 +38,8 @@ from lightseq_hf.kernels import (  # noqa: E402
     unregister_backend,
 )
 from lightseq_hf.kernels import sdpa as sdpa_module  # noqa: E402
-from lightseq_hf.kernels.base import attention_delta, make_doc_blocks, merge_into  # noqa: E402
+from lightseq_hf.kernels.row_stats import attention_delta, merge_into  # noqa: E402
+from lightseq_hf.kernels.varlen.rows import make_doc_blocks  # noqa: E402
 from lightseq_hf.parallel.segments import Segments, key_ranges, local_key_range  # noqa: E402
 
 B, N, H, HK, D = 2, 24, 4, 2, 64

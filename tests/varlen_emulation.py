@@ -2,7 +2,7 @@
 
 It follows the ops' conventions: ``(total, heads, dim)`` layout, GQA by head groups, bottom-right causal
 masks, ``+inf`` lse for rows that see no key, and an lse either ``(heads, total_q)`` or (older builds)
-``(blocks, heads, max_q)``. :func:`install` puts it behind ``lightseq_hf.kernels.flash_varlen``.
+``(blocks, heads, max_q)``. :func:`install` puts it behind ``lightseq_hf.kernels.varlen.flash``.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def install(padded_lse: bool = False, setattr_=setattr) -> Emulation:
     floating dtype (its declared capabilities widened to what the emulation takes)."""
     from dataclasses import replace
 
-    from lightseq_hf.kernels import flash_varlen
+    from lightseq_hf.kernels.varlen import flash as flash_varlen
 
     emu = Emulation(padded_lse)
     caps = flash_varlen.FlashVarlenKernel.capabilities

@@ -66,7 +66,7 @@ def cudnn_fe_op_calls() -> Iterator[list[dict]]:
     """Inside, every call of the ``cudnn_fe`` backend to the nvidia-cudnn-frontend ops is recorded as
     ``{"op": "forward" | "backward", "k_lens": the key length of every sequence}`` (a host read of its
     ``cu_seqlens_kv``) in the list it yields. The ops must be loadable (``cudnn_fe.ops()``)."""
-    from ..kernels import cudnn_fe
+    from ..kernels.varlen import cudnn as cudnn_fe
 
     ops, calls = cudnn_fe.ops(), []
 
@@ -90,7 +90,7 @@ def cudnn_fe_unloaded() -> Iterator[None]:
     """Inside, the ``cudnn_fe`` backend has not loaded the nvidia-cudnn-frontend package yet: its next use
     calls ``cudnn_fe.load_ops`` (replace that to see how a failed load is reported). What it had loaded
     comes back when the block ends."""
-    from ..kernels import cudnn_fe
+    from ..kernels.varlen import cudnn as cudnn_fe
 
     saved = dict(cudnn_fe._loaded)
     cudnn_fe._loaded.clear()

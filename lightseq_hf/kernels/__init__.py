@@ -3,7 +3,8 @@
 ``reference`` (PyTorch, any device), ``triton`` (our FlashAttention kernels), ``sdpa_cudnn`` /
 ``sdpa_flash`` (torch's fused kernels; ``sdpa`` is the cuDNN one), ``flash_varlen`` (torch's
 FlashAttention-2 varlen kernels: packed documents as one call per task), ``cudnn_fe`` (cuDNN's
-variable-length attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task),
+variable-length attention from the optional ``nvidia-cudnn-frontend`` package, also one call per task;
+both in :mod:`.varlen`),
 ``auto`` (chosen by what the device is: :func:`describe` says which backend a call gets and why).
 """
 
@@ -31,11 +32,11 @@ from .base import (
     KernelBase,
     KernelRequest,
     MaskKind,
-    attention_delta,
     check_qkv,
 )
 from .device_class import DeviceClass, device_class
 from .reference import ReferenceKernel
+from .row_stats import attention_delta
 from .working_memory import BackwardMemory, Workspace
 
 #: The built-in names ``backend=`` takes (configuration files validate against it).

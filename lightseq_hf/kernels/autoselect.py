@@ -62,8 +62,8 @@ REGISTRY: dict[str, Callable[[], AttentionKernel]] = {
     "triton": _loader(".triton_attn", "TritonKernel"),
     "sdpa_cudnn": _loader(".sdpa", "SdpaKernel", "cudnn"),
     "sdpa_flash": _loader(".sdpa", "SdpaKernel", "flash"),
-    "flash_varlen": _loader(".flash_varlen", "FlashVarlenKernel"),
-    "cudnn_fe": _loader(".cudnn_fe", "CudnnFeKernel"),
+    "flash_varlen": _loader(".varlen.flash", "FlashVarlenKernel"),
+    "cudnn_fe": _loader(".varlen.cudnn", "CudnnFeKernel"),
 }
 ALIASES = {"sdpa": "sdpa_cudnn"}
 

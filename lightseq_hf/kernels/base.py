@@ -47,12 +47,10 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from .row_stats import ROW_PASS, attention_delta, stand_in_output  # noqa: F401 (re-exported)
 from .working_memory import BackwardMemory
 
 __all__ = ["AttentionKernel", "AttentionMask", "Capabilities", "DocBlocks", "KernelBase", "KernelRequest",
-           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "attention_delta", "check_key_range", "check_qkv",
-           "check_softcap", "make_doc_blocks", "merge_into", "stand_in_output"]
+           "KeyRange", "MASK_KEYWORDS", "MaskKind", "Rows", "check_key_range", "check_qkv", "check_softcap"]
 
 KeyRange = tuple[torch.Tensor, torch.Tensor]
 Rows = torch.Tensor | slice
@@ -76,6 +74,7 @@ class DocBlocks:
     block (int64 index tensors on the device, or a ``slice`` when they are one contiguous run). ``cu_q`` /
     ``cu_k``: int32 cumulative lengths on the device. ``causal``: bottom-right causal mask inside every
     block (else each query row sees all keys of its block). Rows fed to no block see nothing.
+    :func:`~lightseq_hf.kernels.varlen.rows.make_doc_blocks` builds one from host lists.
     """
 
     q_lens: tuple[int, ...]
@@ -114,44 +113,6 @@ class DocBlocks:
         starts = torch.tensor([0, *self.q_lens], dtype=torch.int64).cumsum(0)[:-1]
         pos = torch.arange(self.total_q, dtype=torch.int64) - starts[block]
         return block.to(self.cu_q.device), pos.to(self.cu_q.device)
-
-
-def make_doc_blocks(
-    q_lens: tuple[int, ...],
-    k_lens: tuple[int, ...],
-    q_rows: list[int] | range | slice | torch.Tensor,
-    k_rows: list[int] | range | slice | torch.Tensor,
-    causal: bool,
-    device: torch.device | str,
-) -> DocBlocks:
-    """A :class:`DocBlocks` from host lists or index tensors (row indices become a ``slice`` when
-    contiguous)."""
-    if len(q_lens) != len(k_lens) or min((*q_lens, *k_lens), default=1) < 1:
-        raise ValueError(
-            f"blocks need equal counts of positive query and key lengths; got {q_lens}, {k_lens}."
-        )
-
-    def rows(r, total: int) -> Rows:
-        if isinstance(r, slice):
-            return r
-        if isinstance(r, range) and r.step == 1:
-            return slice(r.start, r.stop)
-        if isinstance(r, torch.Tensor):
-            if r.numel() != total:
-                raise ValueError(f"{r.numel()} row indices for {total} rows of the blocks.")
-            return r.to(device=device, dtype=torch.int64)
-        r = list(r)
-        if len(r) != total:
-            raise ValueError(f"{len(r)} row indices for {total} rows of the blocks.")
-        if r and r == list(range(r[0], r[0] + len(r))):
-            return slice(r[0], r[0] + len(r))
-        return torch.tensor(r, dtype=torch.int64).to(device)
-
-    def cumulative(lens: tuple[int, ...]) -> torch.Tensor:
-        return torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-
-    return DocBlocks(tuple(q_lens), tuple(k_lens), rows(q_rows, sum(q_lens)), rows(k_rows, sum(k_lens)),
-                     cumulative(q_lens), cumulative(k_lens), bool(causal))
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,8 +172,6 @@ class KernelRequest:
     mask: MaskKind = MaskKind.CAUSAL
     softcap: bool = False
     lse_grad: bool = False  # a gradient will flow through the returned lse (attention sinks, custom merges)
-
-
 
 
 @dataclass(frozen=True)
@@ -462,23 +421,3 @@ def check_key_range(key_range: KeyRange | None, q: torch.Tensor) -> None:
                 f"key_range {name} must be an int32 tensor of shape {shape} on {q.device}; got "
                 f"{t.dtype} {tuple(t.shape)} on {t.device}."
             )
-
-
-def merge_into(
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    part_out: torch.Tensor,
-    part_lse: torch.Tensor,
-) -> None:
-    """Merge ``(part_out, part_lse)`` into the running ``(out, lse)`` in place.
-
-    ``out``/``part_out`` are ``(batch, seq, heads, dim)``; ``lse``/``part_lse`` are
-    ``(batch, heads, seq)``. Rows whose lse is ``-inf`` (no key seen yet) contribute
-    nothing; a row with ``-inf`` on both sides stays ``-inf`` with a zero output.
-    """
-    new_lse = torch.logaddexp(lse, part_lse.to(lse.dtype))
-    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(part_lse.to(lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).addcmul_(part_out, w_new)  # part_out may be in a lower precision (bf16 on the wire)
-    lse.copy_(new_lse)

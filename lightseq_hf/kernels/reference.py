@@ -16,14 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
-from .base import (
-    AttentionMask,
-    Capabilities,
-    KernelBase,
-    attention_delta,
-    check_key_range,
-    merge_into,
-)
+from .base import AttentionMask, Capabilities, KernelBase, check_key_range
+from .row_stats import attention_delta, merge_into
 from .working_memory import BackwardMemory, Workspace
 
 __all__ = ["ReferenceKernel"]

@@ -1,15 +1,37 @@
-"""Row statistics of the attention output that a backward needs: delta = rowsum(dout * out), and an
-output stand-in with the same row sums for kernels that read the output only through them."""
+"""Per-row softmax statistics of attention results, outside any kernel: the merge of two partial results by
+their log-sum-exp (the forward's rescale, the paper's Algorithm 3), delta = rowsum(dout * out) that a
+backward needs, and an output stand-in with the same row sums for kernels that read the output only
+through them."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ROW_PASS", "attention_delta", "stand_in_output"]
+__all__ = ["ROW_PASS", "attention_delta", "merge_into", "stand_in_output"]
 
 #: rows per pass of :func:`attention_delta` and :func:`stand_in_output`: their float32 temporaries stay
 #: this many rows (times heads x head dim) whatever the length
 ROW_PASS = 4096
+
+
+def merge_into(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> None:
+    """Merge ``(part_out, part_lse)`` into the running ``(out, lse)`` in place.
+
+    ``out``/``part_out`` are ``(batch, seq, heads, dim)``; ``lse``/``part_lse`` are
+    ``(batch, heads, seq)``. Rows whose lse is ``-inf`` (no key seen yet) contribute
+    nothing; a row with ``-inf`` on both sides stays ``-inf`` with a zero output.
+    """
+    new_lse = torch.logaddexp(lse, part_lse.to(lse.dtype))
+    safe = torch.where(torch.isinf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - safe).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(part_lse.to(lse.dtype) - safe).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).addcmul_(part_out, w_new)  # part_out may be in a lower precision (bf16 on the wire)
+    lse.copy_(new_lse)
 
 
 def attention_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

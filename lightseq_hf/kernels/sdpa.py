@@ -16,7 +16,8 @@ import warnings
 
 import torch
 
-from .base import Capabilities, KernelBase, merge_into
+from .base import Capabilities, KernelBase
+from .row_stats import merge_into
 from .working_memory import BackwardMemory, Workspace
 
 __all__ = ["FLAVORS", "SdpaKernel", "sdpa_backward", "sdpa_forward"]

@@ -26,14 +26,8 @@ from typing import Any
 
 import torch
 
-from ..kernels.base import (
-    AttentionKernel,
-    AttentionMask,
-    DocBlocks,
-    KeyRange,
-    attention_delta,
-    stand_in_output,
-)
+from ..kernels.base import AttentionKernel, AttentionMask, DocBlocks, KeyRange
+from ..kernels.row_stats import attention_delta, stand_in_output
 from .comm import PeerComm, Transfers
 from .merge import empty_running, merge_into
 from .schedule import Schedule, SpanTask, Task

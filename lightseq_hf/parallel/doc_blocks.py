@@ -22,7 +22,8 @@ from functools import lru_cache
 
 import torch
 
-from ..kernels.base import DocBlocks, make_doc_blocks
+from ..kernels.base import DocBlocks
+from ..kernels.varlen.rows import make_doc_blocks
 from .schedule import SpanTask
 from .segments import Segments
 

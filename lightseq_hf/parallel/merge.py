@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.base import merge_into
+from ..kernels.row_stats import merge_into
 
 __all__ = ["empty_running", "merge_into"]
 

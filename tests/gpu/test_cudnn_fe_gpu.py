@@ -3,7 +3,7 @@ ops) behind ``cudnn_fe``, in bf16, against a float64 reference (the reference ke
 document), forward and backward: every task of a 2-way segment schedule and whole rows, documents of one
 token and documents crossing shards, GQA, head dims 64 and 128; the op's own facts (lse layout, one graph per
 bucketed shape); the cuDNN backward hazard of key lengths 64 mod 128 with an lse below -88.7
-(``dist_flash_attn`` over packed rows on one and two GPUs, for every packed backend, is in test_packed_gpu.py).
+(``dist_flash_attn`` over packed rows on one and two GPUs, for every packed backend: test_packed_gpu.py).
 
 Run on a machine with a CUDA GPU and the package (``pip install --no-deps nvidia-cudnn-frontend==1.32.0``):
 ``python -m pytest tests/gpu/test_cudnn_fe_gpu.py``.
@@ -21,10 +21,12 @@ from distributed import rel_err
 from packed_cases import TINY_LSE, bound, inputs, layouts
 
 from lightseq_hf._testing import kernel_knobs
-from lightseq_hf.kernels import cudnn_fe, get_kernel
-from lightseq_hf.kernels.base import make_doc_blocks, merge_into
-from lightseq_hf.kernels.cudnn_fe_layout import key_length_hazard
+from lightseq_hf.kernels import get_kernel
 from lightseq_hf.kernels.reference import ReferenceKernel
+from lightseq_hf.kernels.row_stats import merge_into
+from lightseq_hf.kernels.varlen import cudnn as cudnn_fe
+from lightseq_hf.kernels.varlen.cudnn import key_length_hazard
+from lightseq_hf.kernels.varlen.rows import make_doc_blocks
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule

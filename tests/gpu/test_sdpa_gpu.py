@@ -101,7 +101,7 @@ def test_gqa_backward_holds_no_expanded_keys_values():
 def test_sdpa_backward_reads_the_output_only_through_its_row_sums(flavor):
     """The distributed loop gives the SDPA kernels, for another rank's rows, a stand-in output with the
     same row sums (``stand_in_output``): their gradients must match those of the real output."""
-    from lightseq_hf.kernels.base import attention_delta, stand_in_output
+    from lightseq_hf.kernels.row_stats import attention_delta, stand_in_output
 
     n, h, hk, d = 4096, 16, 4, 128
     q, k, v, dout = (t.bfloat16() for t in _inputs(n, h, hk, d, seed=11))

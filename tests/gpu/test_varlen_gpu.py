@@ -17,9 +17,10 @@ if not torch.cuda.is_available():
 from distributed import rel_err
 from packed_cases import bound, layouts
 
-from lightseq_hf.kernels import flash_varlen, get_kernel
-from lightseq_hf.kernels.base import merge_into
+from lightseq_hf.kernels import get_kernel
 from lightseq_hf.kernels.reference import ReferenceKernel
+from lightseq_hf.kernels.row_stats import merge_into
+from lightseq_hf.kernels.varlen import flash as flash_varlen
 from lightseq_hf.parallel.doc_blocks import task_doc_blocks
 from lightseq_hf.parallel.schedule import SpanTask
 from lightseq_hf.parallel.segment_schedule import build_segment_schedule

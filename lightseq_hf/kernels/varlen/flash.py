@@ -12,7 +12,8 @@ The ops take bfloat16/float16 CUDA tensors with head dims up to 256 (multiples o
 recomputes ``delta`` from ``out``, so this backend needs the output in backward (no gradient through the
 returned lse), like the SDPA ones.
 
-This module knows nothing of documents, segments or schedules: callers build the blocks.
+This module knows nothing of documents, segments or schedules: callers build the blocks, and :mod:`.rows`
+gathers their rows and writes them back.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import math
 
 import torch
 
-from .base import Capabilities, DocBlocks, KernelBase, make_doc_blocks
-from .packed_rows import (
+from ..base import Capabilities, DocBlocks, KernelBase
+from ..working_memory import BackwardMemory, Workspace
+from .rows import (
     RowMap,
     check_backward_rows,
     check_blocks,
@@ -33,10 +35,9 @@ from .packed_rows import (
     running_buffers,
     whole_rows,
 )
-from .working_memory import BackwardMemory, Workspace
 
-__all__ = ["DocBlocks", "FlashVarlenKernel", "check_flash_inputs", "lse_is_padded", "make_doc_blocks",
-           "usable", "varlen_backward", "varlen_forward", "whole_rows"]
+__all__ = ["FlashVarlenKernel", "check_flash_inputs", "lse_is_padded", "usable", "varlen_backward",
+           "varlen_forward"]
 
 _DTYPES = (torch.float16, torch.bfloat16)
 
