@@ -43,9 +43,35 @@ def remat_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+_SECOND_BACKWARD = (
+    "lightseq_hf: a second backward through a layer checkpointed with remat (retain_graph=True, or another "
+    "loss backpropagated through the same forward): remat keeps each layer's attention output for exactly "
+    "one backward. Add the losses and call backward once, or patch with checkpointing='hf' (Hugging Face's "
+    "layer checkpointing, which reruns the attention in each backward)."
+)
+
+
+class _OneBackward:
+    """The recompute context of selective checkpointing, with torch's refusal of a second backward
+    restated as what it means here and the fix."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __enter__(self) -> Any:
+        return self.inner.__enter__()
+
+    def __exit__(self, kind: Any, error: Any, trace: Any) -> Any:
+        handled = self.inner.__exit__(kind, error, trace)
+        if isinstance(error, RuntimeError) and "backward an extra time" in str(error):
+            raise RuntimeError(_SECOND_BACKWARD) from error
+        return handled
+
+
 def _remat_context_fn() -> tuple[Any, Any]:
     """``context_fn`` for :func:`torch.utils.checkpoint.checkpoint` applying :func:`remat_policy`."""
-    return create_selective_checkpoint_contexts(remat_policy)
+    caching, recompute = create_selective_checkpoint_contexts(remat_policy)
+    return caching, _OneBackward(recompute)
 
 
 def remat_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:

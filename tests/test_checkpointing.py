@@ -142,3 +142,37 @@ def test_offloading_checkpoint_function_keeps_remat():
     assert torch.equal(loss0, loss1)
     for name, grad in grads0.items():
         assert torch.equal(grad, grads1[name]), name
+
+
+def test_second_backward_under_remat_is_one_line_and_hf_checkpointing_serves_it():
+    """remat keeps each layer's attention output for one backward: a second backward through the same graph
+    (``retain_graph=True``) is refused naming the fix; with ``checkpointing="hf"`` both backwards run and the
+    summed gradients equal the unpatched model's with Hugging Face's checkpointing."""
+    from tiny_models import make_batch, make_model
+
+    import lightseq_hf
+
+    ids, _ = make_batch(1, 24, seed=3)
+
+    def twice(model):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    reference = twice(make_model("llama"))
+    model = lightseq_hf.patch_model(make_model("llama"))
+    model.gradient_checkpointing_enable()
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as refused:
+        loss.backward()
+    message = str(refused.value)
+    assert "second backward" in message and "checkpointing='hf'" in message and "\n" not in message, message
+    lightseq_hf.unpatch_llama()
+    hf = twice(lightseq_hf.patch_model(make_model("llama"), checkpointing="hf"))
+    for got, want in zip(hf, reference):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
