@@ -14,6 +14,7 @@ from .config import FinetuneConfig
 from .errors import ConfigError
 from .log import logger
 from .planning import offload_value
+from .shape import RunShape
 
 __all__ = ["apply_patch", "build_model", "build_model_or_explain", "build_optimizer", "check_backend_device",
            "check_tokenizer_fits", "count_steps", "lr_lambda", "model_config", "offload_setting",
@@ -121,9 +122,9 @@ def rank_memory_budget(accelerator: Any) -> tuple[float, float]:
     return (host, host) if accelerator.device.type != "cuda" else (gpu, host)
 
 
-def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> Any:
-    """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
-    device memory and its share of the host's available memory."""
+def offload_setting(cfg: FinetuneConfig, run: RunShape, accelerator: Any) -> Any:
+    """``training.offload_checkpoints``, with ``auto`` resolved by the planner for a run in the shape
+    ``run`` against this rank's device memory and its share of the host's available memory."""
     offload = cfg.training.offload_checkpoints
     if offload != "auto":
         return offload
@@ -131,11 +132,11 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> Any:
         return False  # nothing to gain: the "device" is host memory
     from .planning import describe_offload, resolve_auto_offload
 
-    world, sharding = accelerator.num_processes, run_sharding(accelerator)
+    sharding = run_sharding(accelerator)
     gpu, host = rank_memory_budget(accelerator)
-    plan = resolve_auto_offload(cfg, world, sharding, gpu, host)
+    plan = resolve_auto_offload(cfg, run, sharding, gpu, host)
     if accelerator.is_main_process:
-        logger.info(f"training.offload_checkpoints=auto: {describe_offload(cfg, world, sharding, plan)} "
+        logger.info(f"training.offload_checkpoints=auto: {describe_offload(cfg, run, sharding, plan)} "
                     f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)")
     return plan
 

@@ -27,6 +27,7 @@ from .errors import ConfigError
 from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
 from .output import release_output_dir_locks
+from .shape import RunShape, run_shape
 
 __all__ = ["main", "run", "worker_failed"]
 
@@ -94,11 +95,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be a positive number of GiB; got {value}")
 
 
-def _check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume: Path | None) -> str:
-    """What ``--check`` verified, in one line."""
-    sp = cfg.sp_size or world
-    layout = (f"world {world} = {world // sp} data-parallel x {sp} sequence-parallel, "
-              f"{cfg.context_length // sp} tokens per rank" if world and sp else
+def _check_text(cfg: FinetuneConfig, config_path: str, shape: RunShape | None, resume: Path | None) -> str:
+    """What ``--check`` verified, in one line (``shape``: None when the world size is not given)."""
+    layout = (f"{shape.describe()}, {shape.tokens_per_rank} tokens per rank" if shape is not None else
               "world size not given (add --world-size N to check the process layout)")
     m = cfg.model
     model = f"model.path {m.path}" if m.path else f"model.config ({m.config.get('model_type')}, keys checked)"
@@ -250,6 +249,7 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
         _check_numbers(args)
         world = args.world_size or args.nproc or _world_size()
         cfg = load_config(args.config, args.overrides, world_size=world)
+        shape = run_shape(cfg, world) if world else None
         if args.check or args.nproc:
             from .output import prepare_output_dir
 
@@ -262,7 +262,8 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
         from .planning import plan_text
 
         try:
-            print(plan_text(cfg, world, args.sharding, args.gpu_gib, args.host_gib))
+            planned = shape or run_shape(cfg, cfg.sp_size or 1)
+            print(plan_text(cfg, planned, args.sharding, args.gpu_gib, args.host_gib))
         except (ConfigError, ValueError) as e:
             return _fail(f"--plan: {e}", _EXIT_CONFIG)
         return 0
@@ -275,13 +276,13 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
         from .preflight import preflight
 
         try:
-            done = preflight(cfg, world, resume)
+            done = preflight(cfg, shape, resume)
         except ConfigError as e:
             return _fail(f"config error: {e}", _EXIT_CONFIG)
         except RuntimeError as e:  # CheckpointError
             return _fail(str(e), _EXIT_FAILED)
     if args.check:
-        print(f"lightseq-finetune: {_check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
+        print(f"lightseq-finetune: {_check_text(cfg, args.config, shape, resume)}; {'; '.join(done)}",
               flush=True)
         return 0
     if args.nproc:
