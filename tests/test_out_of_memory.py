@@ -23,11 +23,13 @@ import yaml
 
 from lightseq_hf._testing.faults import ENV as FAULTS_ENV
 from lightseq_hf.planner import GIB, longest_context
-from lightseq_hf.training import cli, launch
+from lightseq_hf.training import cli
 from lightseq_hf.training.config import config_from_dict
-from lightseq_hf.training.failures import FailureBoard, PeerWatch, is_out_of_memory, out_of_memory_line
 from lightseq_hf.training.guards import PeerFailure
 from lightseq_hf.training.planning import memory_advice, plan_inputs
+from lightseq_hf.training.processes import launch
+from lightseq_hf.training.processes.board import FailureBoard, is_out_of_memory, out_of_memory_line
+from lightseq_hf.training.processes.watchdog import PeerWatch
 from lightseq_hf.training.shape import run_shape
 
 ROOT = Path(__file__).resolve().parents[1]

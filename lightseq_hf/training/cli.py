@@ -1,10 +1,11 @@
 """``lightseq-finetune [--nproc N] CONFIG.yaml [key.sub=value ...]`` (also ``scripts/finetune.py``).
 
-With ``--nproc N`` the command checks the config for N processes, then starts them (see :mod:`.launch`);
-without it, it is one worker (under ``accelerate launch``/``torchrun``, or alone). Exit status: 0 done,
-2 a configuration problem (one line, printed by rank 0 only), 1 a run that stopped on a checkpoint,
-non-finite or peer failure (one line per rank that saw it) or because a step ran out of memory on some
-rank (one line on every rank: which rank, where, and the planner's advice for this machine).
+With ``--nproc N`` the command checks the config for N processes, then starts them (see
+:mod:`.processes.launch`); without it, it is one worker (under ``accelerate launch``/``torchrun``, or
+alone). Exit status: 0 done, 2 a configuration problem (one line, printed by rank 0 only), 1 a run that
+stopped on a checkpoint, non-finite or peer failure (one line per rank that saw it) or because a step ran
+out of memory on some rank (one line on every rank: which rank, where, and the planner's advice for this
+machine).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import torch.distributed as dist
 from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure, one_line, report_failure
 from .config import FinetuneConfig, load_config
 from .errors import ConfigError
-from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
 from .output import release_output_dir_locks
+from .processes.launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .shape import RunShape, run_shape
 
 __all__ = ["main", "run", "worker_failed"]
@@ -174,8 +175,8 @@ def worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
     (``timeout_s``: the run's ``training.timeout_s``, named when a wait ran out); the process's exit
     status."""
     from ..guard.parity import ParityError
-    from .failures import OutOfMemoryStop
     from .guards import NonFiniteError
+    from .processes.board import OutOfMemoryStop
     from .saving import CheckpointError
 
     if _stopped_by[0] is not None or isinstance(e, KeyboardInterrupt):
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
               flush=True)
         return 0
     if args.nproc:
-        from .launch import launch
+        from .processes.launch import launch
 
         try:
             return launch(args.nproc, worker_module, _worker_args(argv), args.accelerate_config,
@@ -302,7 +303,7 @@ def _start_worker(cfg: FinetuneConfig) -> None:
     rank 0 when the run uses CUDA)."""
     import torch
 
-    from .launch import use_expandable_segments
+    from .processes.launch import use_expandable_segments
 
     line = use_expandable_segments()
     if _is_reporting_rank() and cfg.training.device != "cpu" and torch.cuda.is_available():

@@ -39,21 +39,21 @@ from .config import FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, data_fingerprint, load_tokenizer
 from .errors import ConfigError
 from .evaluation import evaluate_passkey
-from .failures import (
-    FailureBoard,
-    PeerWatch,
-    is_out_of_memory,
-    main_decides,
-    out_of_memory_line,
-    stop_for_out_of_memory,
-    tell_peers,
-)
 from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradient
 from .layout import DataLayout, place_resume
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
 from .output import release_output_dir_locks as release_locks
 from .planning import memory_advice
+from .processes.board import (
+    FailureBoard,
+    is_out_of_memory,
+    main_decides,
+    out_of_memory_line,
+    stop_for_out_of_memory,
+    tell_peers,
+)
+from .processes.watchdog import PeerWatch
 from .saving import read_completion_record
 from .shape import run_shape
 
