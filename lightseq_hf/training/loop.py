@@ -88,7 +88,7 @@ def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, dict | None, str]:
     resume = prepare_output_dir(cfg)
     record = read_completion_record(resume) if resume is not None else None
     saved = {"step": record["step"], **record.get("meta", {})} if record is not None else None
-    return resume, saved, data_fingerprint(cfg)
+    return resume, saved, data_fingerprint(cfg.data, cfg.context_length)
 
 
 class Trainer:
@@ -142,12 +142,12 @@ class Trainer:
         offload = offload_setting(cfg, self.shape, self.accelerator)
         self.model = apply_patch(model, cfg, self.groups.sp_group, offload)
         self.n_params = metrics.flop_params(self.model)
-        self.dataset = build_train_dataset(cfg, self.tokenizer, self.accelerator.main_process_first,
-                                           vocab_size=self.vocab_size)
+        self.dataset = build_train_dataset(cfg.data, self.shape.context_length, self.vocab_size,
+                                           self.tokenizer, self.accelerator.main_process_first)
         dp_size = self.shape.dp_size
         self.sampler = ParallelSampler(len(self.dataset), dp_size, self.groups.dp_rank, shuffle=True,
                                        seed=t.seed)
-        self.total_steps = count_steps(cfg, len(self.dataset), dp_size)
+        self.total_steps = count_steps(t, len(self.dataset), dp_size)
         self.layout = DataLayout.of(self.shape, t.seed)
         if self.saved is not None:  # where the epoch continues under this layout (ConfigError if it cannot)
             self.place = place_resume(self.saved, self.layout, len(self.dataset), t.max_steps, t.epochs,
@@ -174,7 +174,8 @@ class Trainer:
             self.state.data_fingerprint = self.data_fingerprint
             if self.state.layout is None:  # a position counted per data-parallel group of this layout
                 self.state.samples_in_epoch *= self.shape.dp_size
-            reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume, self.place.why)
+            reconcile_schedule(t, cfg.saving, self.state, self.total_steps, self.scheduler, self.resume,
+                               self.place.why)
             if self.is_main:
                 s = self.state
                 verified = " (checksums verified)" if cfg.saving.checksums else ""
@@ -360,8 +361,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out retrieval accuracy (synthetic data), written to the metrics."""
         with self.progress.phase("evaluation", self.state.step):
-            res = evaluate_passkey(self.model, self.cfg, self.vocab_size, self.groups, self.device,
-                                   self.t.batch_size)
+            res = evaluate_passkey(self.model, self.cfg.data.synthetic, self.shape.context_length,
+                                   self.vocab_size, self.groups, self.device, self.shape.batch_size)
         res.update(kind="eval", step=self.state.step)
         self.writer.write(res)
         self.last_eval = res
@@ -370,7 +371,7 @@ class Trainer:
     def save(self) -> Path:
         """``checkpoint-<step>/`` (see save_checkpoint); a failed write (a full disk) is a CheckpointError."""
         with self.progress.phase("checkpoint save", self.state.step):
-            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
+            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg.saving, self.state,
                                    self.out_dir)
 
     def _after_step(self) -> None:

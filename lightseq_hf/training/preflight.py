@@ -50,7 +50,7 @@ def _resume_checks(cfg: FinetuneConfig, resume: Path, run: RunShape | None) -> s
     """The data, the layout and the schedule against the checkpoint's; what was compared, in words."""
     record = read_completion_record(resume)
     saved = {"step": record["step"], **record.get("meta", {})}
-    check_same_data(saved.get("data_fingerprint"), data_fingerprint(cfg), resume)
+    check_same_data(saved.get("data_fingerprint"), data_fingerprint(cfg.data, cfg.context_length), resume)
     if run is None:
         return "resume data matches (add --world-size N to check the layout and the schedule)"
     t = cfg.training
@@ -60,10 +60,10 @@ def _resume_checks(cfg: FinetuneConfig, resume: Path, run: RunShape | None) -> s
         note = check_resume_layout(saved.get("layout"), now, saved.get("samples_in_epoch", 0),
                                    saved.get("epoch", 0), resume)
         return f"resume data matches, {note} (the step count is known once the data is tokenized)"
-    total = count_steps(cfg, samples, now.dp_size) if samples is not None else t.max_steps
+    total = count_steps(t, samples, now.dp_size) if samples is not None else t.max_steps
     place = place_resume(saved, now, samples or 0, t.max_steps, t.epochs, total, resume)
-    changed = check_schedule(cfg, saved.get("schedule_steps"), place.total_steps, record["step"], resume,
-                             place.why)
+    changed = check_schedule(t, cfg.saving, saved.get("schedule_steps"), place.total_steps, record["step"],
+                             resume, place.why)
     return (f"resume data matches, {place.note}, schedule "
             + (f"changes ({cfg.saving.on_schedule_change})" if changed else "matches"))
 
