@@ -294,19 +294,19 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
                           grace_s=min(max(cfg.training.timeout_s, 2.0), 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", _EXIT_CONFIG)
-    _start_worker(cfg)
+    _start_worker(cfg.training.device)
     return _run_worker(cfg)
 
 
-def _start_worker(cfg: FinetuneConfig) -> None:
+def _start_worker(device: str) -> None:
     """What a training process sets before its first CUDA allocation: the allocator's default (said by
-    rank 0 when the run uses CUDA)."""
+    rank 0 when the run uses CUDA; ``device``: ``training.device``)."""
     import torch
 
     from .processes.launch import use_expandable_segments
 
     line = use_expandable_segments()
-    if _is_reporting_rank() and cfg.training.device != "cpu" and torch.cuda.is_available():
+    if _is_reporting_rank() and device != "cpu" and torch.cuda.is_available():
         logger.info(line)
 
 
