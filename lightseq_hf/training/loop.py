@@ -192,8 +192,8 @@ class Trainer:
             acc.unwrap_model(self.model).config, self.n_params, run.sequences_per_step, run.context_length)
         self.peak = metrics.peak_tflops(self.device, cfg.logging.peak_tflops)
         if self.is_main:
-            logger.info(f"{run.describe()}; context {run.context_length} ({run.tokens_per_rank} tokens per "
-                        "rank); "
+            logger.info(f"{run.describe()}; "
+                        f"context {run.context_length} ({run.tokens_per_rank} tokens per rank); "
                         f"{self.n_params / 1e6:.2f}M non-embedding parameters; {self.total_steps} steps; "
                         f"device {self.device}")
 
