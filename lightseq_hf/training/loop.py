@@ -53,7 +53,7 @@ from .processes.board import (
     stop_for_out_of_memory,
     tell_peers,
 )
-from .processes.watchdog import PeerWatch
+from .processes.watchdog import watch_peers
 from .saving import read_completion_record
 from .shape import run_shape
 
@@ -416,9 +416,7 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.state.step, desc="fine-tune", dynamic_ncols=True,
                         disable=not (self.is_main and self.cfg.logging.progress_bar))
         metrics.reset_peak_memory(self.device)
-        self.watch = PeerWatch(self.failures) if self.failures is not None else None
-        if self.watch is not None:
-            self.watch.start()
+        self.watch = watch_peers(self.failures)
         self.t_start = time.perf_counter()
         self.model.train()
         self.start_step = self.state.step

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from ..output import release_output_dir_locks
 from .board import FailureBoard
 
-__all__ = ["PeerWatch"]
+__all__ = ["PeerWatch", "watch_peers"]
 
 _EXIT_STOPPED = 1
 _PREFIX = "lightseq-finetune: "  # the fine-tune's one-line reports (cli._fail) start so
@@ -73,3 +73,12 @@ class PeerWatch(threading.Thread):
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout=5)
+
+
+def watch_peers(board: FailureBoard | None) -> PeerWatch | None:
+    """A started watchdog reading ``board``; None without a board (a run of one process)."""
+    if board is None:
+        return None
+    watch = PeerWatch(board)
+    watch.start()
+    return watch
