@@ -55,7 +55,7 @@ from benchlib.workloads import SHAPES, build_model, llama_config  # noqa: E402
 
 from lightseq_hf import metrics  # noqa: E402
 from lightseq_hf.memory import HostPeak, StepMemory  # noqa: E402
-from lightseq_hf.training.launch import use_expandable_segments  # noqa: E402
+from lightseq_hf.training.processes.launch import use_expandable_segments  # noqa: E402
 
 #: the allocator settings a user may give (torch reads the newer name first)
 ALLOC_CONFS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")

@@ -71,7 +71,7 @@ def free_port() -> int:
 
 
 def run_variant(args: argparse.Namespace, variant: str, tmp: Path) -> dict:
-    from lightseq_hf.training.launch import accelerate_env, worker_env
+    from lightseq_hf.training.processes.launch import accelerate_env, worker_env
 
     config, accelerate_config = CONFIGS[args.device]
     out_dir = tmp / variant

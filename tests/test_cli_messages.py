@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from lightseq_hf.training import cli, launch
+from lightseq_hf.training import cli
 from lightseq_hf.training.output import LOCK_FILE
+from lightseq_hf.training.processes import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")

@@ -15,7 +15,7 @@ MAX_FUNCTION_LINES = 80  # outside @triton.jit bodies
 MAX_MODULE_LINES = 500
 #: where reading the environment is the point (launch, the process's rank, Triton's interpreter switch,
 #: the launcher's WORLD_SIZE that tells a launch whose processes never joined a process group)
-ENVIRONMENT_READERS = {"training/cli.py", "training/launch.py", "training/build.py",
+ENVIRONMENT_READERS = {"training/cli.py", "training/processes/launch.py", "training/build.py",
                        "kernels/triton_common.py", "parallel/groups.py"}
 TESTS = Path(__file__).resolve().parent
 

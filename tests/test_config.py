@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from lightseq_hf.training.config import ConfigError, config_from_dict, load_config, parse_overrides
+from lightseq_hf.training.shape import run_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -74,6 +75,34 @@ def test_sp_size_must_divide_world() -> None:
         config_from_dict(base(), world_size=3)
     with pytest.raises(ConfigError, match="context_length 4096 is not divisible by sp_size 3"):
         config_from_dict(base(), ["sp_size=null"], world_size=3)
+
+
+def test_run_shape_of_the_tiny_config() -> None:
+    """configs/tiny.yaml (4096 tokens, sp_size 2, batch_size 2, grad_accum 1) on 4 processes: 2 groups of 2
+    ranks, 2048 tokens a rank, 2 x 1 x 2 sequences a step; a frozen value; refused where sizes do not
+    divide, with the config's own message."""
+    import dataclasses
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml")
+    shape = run_shape(cfg, 4)
+    assert (shape.context_length, shape.sp_size, shape.dp_size, shape.world_size) == (4096, 2, 2, 4)
+    assert (shape.batch_size, shape.grad_accum) == (2, 1)
+    assert shape.tokens_per_rank == 2048
+    assert shape.sequences_per_step == 4 and shape.tokens_per_step == 4 * 4096
+    assert shape.describe() == "world 4 = 2 data-parallel x 2 sequence-parallel"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        shape.sp_size = 4  # type: ignore[misc]
+    every_rank = load_config(ROOT / "configs" / "tiny.yaml", ["sp_size=null"])
+    shape = run_shape(every_rank, 4)
+    assert (shape.sp_size, shape.dp_size, shape.tokens_per_rank) == (4, 1, 1024)
+    with pytest.raises(ConfigError) as e:
+        run_shape(cfg, 3)
+    assert str(e.value) == ("sp_size 2 does not divide the world size 3 (launched processes); choose one "
+                            "of 1, 3")
+    with pytest.raises(ConfigError) as e:
+        run_shape(every_rank, 3)
+    assert str(e.value) == ("context_length 4096 is not divisible by sp_size 3: every rank of a "
+                            "sequence-parallel group holds context_length / sp_size tokens")
 
 
 def test_missing_model_and_bad_override_syntax(tmp_path: Path) -> None:

@@ -47,7 +47,7 @@ def test_local_files_tokenize_and_pack(tmp_path: Path, fmt: str) -> None:
         "model": {"config": {"vocab_size": 257}},
         "data": {"type": "files", "paths": [str(path)]},
     })
-    ds = build_train_dataset(cfg, ByteTokenizer())
+    ds = build_train_dataset(cfg.data, cfg.context_length, 257, ByteTokenizer())
     total = sum(len(t.encode()) + 1 for t in texts)
     assert len(ds) == total // 64
     batch = collate([ds[0], ds[1]])

@@ -87,7 +87,7 @@ def test_data_refusal_leaves_the_main_process_first_block(tmp_path: Path) -> Non
         left.append(True)  # the barrier the other ranks wait at
 
     with pytest.raises(ConfigError, match="the data holds fewer than context_length=64 tokens"):
-        build_text_dataset(cfg, ByteTokenizer(), main_process_first)
+        build_text_dataset(cfg.data, cfg.context_length, ByteTokenizer(), main_process_first)
     assert left == [True]
 
 

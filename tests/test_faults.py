@@ -240,16 +240,16 @@ def test_changed_schedule_length_is_an_error_or_logged_choice(tmp_path: Path, ca
     p = torch.nn.Parameter(torch.zeros(1))
     for choice, expect_total in (("error", None), ("keep", 240), ("rebuild", 480)):
         cfg = _config(tmp_path, "training.max_steps=480", f"saving.on_schedule_change={choice}")
-        sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), lr_lambda(cfg, 480))
+        sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), lr_lambda(cfg.training, 480))
         state = TrainState()
         state.step, state.schedule_steps = 200, 240
         if expect_total is None:
             with pytest.raises(ConfigError, match="schedule of 240 steps, this run has 480"):
-                _reconcile_schedule(cfg, state, 480, sched, tmp_path)
+                _reconcile_schedule(cfg.training, cfg.saving, state, 480, sched, tmp_path)
             continue
-        _reconcile_schedule(cfg, state, 480, sched, tmp_path)
+        _reconcile_schedule(cfg.training, cfg.saving, state, 480, sched, tmp_path)
         assert state.schedule_steps == expect_total
-        assert sched.lr_lambdas[0](300) == lr_lambda(cfg, expect_total)(300)
+        assert sched.lr_lambdas[0](300) == lr_lambda(cfg.training, expect_total)(300)
         assert f"on_schedule_change={choice}" in caplog.text
 
 

@@ -23,11 +23,14 @@ import yaml
 
 from lightseq_hf._testing.faults import ENV as FAULTS_ENV
 from lightseq_hf.planner import GIB, longest_context
-from lightseq_hf.training import cli, launch
+from lightseq_hf.training import cli
 from lightseq_hf.training.config import config_from_dict
-from lightseq_hf.training.failures import FailureBoard, PeerWatch, is_out_of_memory, out_of_memory_line
 from lightseq_hf.training.guards import PeerFailure
 from lightseq_hf.training.planning import memory_advice, plan_inputs
+from lightseq_hf.training.processes import launch
+from lightseq_hf.training.processes.board import FailureBoard, is_out_of_memory, out_of_memory_line
+from lightseq_hf.training.processes.watchdog import PeerWatch
+from lightseq_hf.training.shape import run_shape
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["training.device=cpu", "logging.progress_bar=false", "data.synthetic.eval_samples=2",
@@ -166,7 +169,7 @@ def test_advice_is_the_planners_cheapest_option_that_fits() -> None:
     cfg = _config("llama3-8b-128k.yaml", "sp_size=4", "context_length=262144",
                   "model.config.max_position_embeddings=262144")
     gpu, host = 75 * GIB, 115 * GIB
-    advice = memory_advice(cfg, 4, "fsdp", gpu, host)
+    advice = memory_advice(cfg, run_shape(cfg, 4), "fsdp", gpu, host)
     shape, opts = plan_inputs(cfg, 4, "fsdp")
     from dataclasses import replace
 
@@ -179,18 +182,19 @@ def test_advice_is_the_planners_cheapest_option_that_fits() -> None:
     assert f"or set context_length={as_is}" in advice
 
     # nothing fits the device: every option left, together, and how far they reach
-    tight = memory_advice(cfg, 4, "fsdp", 40 * GIB, 115 * GIB)
+    tight = memory_advice(cfg, run_shape(cfg, 4), "fsdp", 40 * GIB, 115 * GIB)
     assert "training.offload_checkpoints=auto and training.tiled_mlp=8192 and training.cpu_offload=true " \
            "(together up to" in tight, tight
 
     # the plan said it fits: the line says so and proposes a margin
-    fits = memory_advice(_config("llama3-8b-128k.yaml", "sp_size=4"), 4, "fsdp", gpu, host)
+    eight_b = _config("llama3-8b-128k.yaml", "sp_size=4")
+    fits = memory_advice(eight_b, run_shape(eight_b, 4), "fsdp", gpu, host)
     assert "expected 131072 tokens to fit" in fits and "context_length=114688" in fits, fits
 
     # a planner that cannot read the config still gives a line
     broken = _config("tiny.yaml")
     broken.model.config = {"model_type": "llama", "hidden_size": 0}
-    assert "--plan shows what fits" in memory_advice(broken, 2, "fsdp", gpu, host)
+    assert "--plan shows what fits" in memory_advice(broken, run_shape(broken, 2), "fsdp", gpu, host)
 
 
 def test_notice_board_tells_a_peer_and_waits_until_it_read() -> None:

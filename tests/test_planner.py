@@ -312,6 +312,7 @@ def test_offload_auto_and_partial_offload(capsys):
     from lightseq_hf.training.cli import main
     from lightseq_hf.training.config import ConfigError, load_config
     from lightseq_hf.training.planning import resolve_auto_offload
+    from lightseq_hf.training.shape import run_shape
 
     shape = ModelShape(hidden=4096, intermediate=11008, layers=32, heads=32, kv_heads=32, head_dim=128,
                        vocab=32000)
@@ -332,9 +333,10 @@ def test_offload_auto_and_partial_offload(capsys):
     config = ROOT / "configs/llama2-7b-64k.yaml"
     cfg = load_config(config, ["context_length=589824", "training.tiled_mlp=8192",
                                "training.offload_checkpoints=auto"])
-    assert resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 110 * GIB) == OffloadPlan(n, 0)
+    two = run_shape(cfg, 2)
+    assert resolve_auto_offload(cfg, two, "fsdp", 132 * GIB, 110 * GIB) == OffloadPlan(n, 0)
     with pytest.raises(ConfigError, match="do not fit 10 GiB of host memory per rank"):
-        resolve_auto_offload(cfg, 2, "fsdp", 132 * GIB, 10 * GIB)
+        resolve_auto_offload(cfg, two, "fsdp", 132 * GIB, 10 * GIB)
     argv = [str(config), "context_length=589824", "training.tiled_mlp=8192",
             "training.offload_checkpoints=auto",
             "--plan", "--world", "2", "--gpu-gib", "132", "--host-gib", "110"]

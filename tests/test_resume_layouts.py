@@ -66,7 +66,7 @@ def test_the_epoch_step_count_follows_the_layout() -> None:
                                base_dir=ROOT / "configs")
         if batch > math.ceil(n / dp):
             continue
-        total = count_steps(cfg, n, dp)
+        total = count_steps(cfg.training, n, dp)
         per_epoch = total // epochs
         for step in range(total + 1):  # a resume under the same layout keeps the fresh run's count
             epoch, done = min(step // per_epoch, epochs), step - min(step // per_epoch, epochs) * per_epoch
@@ -91,9 +91,9 @@ def test_another_data_order_mid_epoch_is_refused_in_one_line(tmp_path: Path, cap
     cfg = config_from_dict(TINY, SMALL, base_dir=ROOT / "configs")
     from lightseq_hf.training.data import data_fingerprint
 
+    fingerprint = data_fingerprint(cfg.data, cfg.context_length)
     write_completion_record(out / "checkpoint-3", 3, {"epoch": 0, "samples_in_epoch": 6, "layout": saved,
-                                                      "schedule_steps": 8,
-                                                      "data_fingerprint": data_fingerprint(cfg)})
+                                                      "schedule_steps": 8, "data_fingerprint": fingerprint})
     args = [str(ROOT / "configs" / "tiny.yaml"), *SMALL, f"output_dir={out}", "saving.resume_from=latest",
             "--check", "--world-size", "2"]
     assert main([*args, "training.seed=5"]) == 2

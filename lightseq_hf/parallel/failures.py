@@ -3,10 +3,10 @@
 A rank that stops on an exception publishes one line about it in the default process group's store
 (:func:`publish_notice`, :func:`report_failure`: ``lightseq-finetune``'s workers publish theirs, and
 importing ``lightseq_hf`` chains :func:`_excepthook` into ``sys.excepthook`` for scripts of one's own). The
-others read those lines (:func:`read_notices`): the fine-tune's peer watch ends a rank as soon as another
-published (:mod:`lightseq_hf.training.failures`), and a rank whose collective fails because the failed
-rank left turns the backend's error ("Connection closed by peer") into a :class:`PeerFailure` naming the
-failed rank and its reason (:func:`explain_peer_failure`).
+others read those lines (:func:`read_notices`): the fine-tune's watchdog ends a rank as soon as another
+published (:mod:`lightseq_hf.training.processes.watchdog`), and a rank whose collective fails because the
+failed rank left turns the backend's error ("Connection closed by peer") into a :class:`PeerFailure`
+naming the failed rank and its reason (:func:`explain_peer_failure`).
 
 The store must outlive the failed rank. Under ``torchrun``, ``accelerate launch`` and ``lightseq-finetune
 --nproc`` the launcher hosts it; where rank 0 hosts it (``init_process_group`` from MASTER_ADDR/MASTER_PORT

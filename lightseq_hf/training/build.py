@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,6 +15,7 @@ from .config import FinetuneConfig
 from .errors import ConfigError
 from .log import logger
 from .planning import offload_value
+from .shape import RunShape
 
 __all__ = ["apply_patch", "build_model", "build_model_or_explain", "build_optimizer", "check_backend_device",
            "check_tokenizer_fits", "count_steps", "lr_lambda", "model_config", "offload_setting",
@@ -68,10 +70,10 @@ def build_model_or_explain(cfg: FinetuneConfig, device: torch.device) -> torch.n
                           f"{msg}") from e
 
 
-def count_steps(cfg: FinetuneConfig, num_samples: int, dp_size: int) -> int:
+def count_steps(t: Any, num_samples: int, dp_size: int) -> int:
     """The run's optimizer steps: ``training.max_steps``, else the epochs over ``num_samples`` samples shared
-    by ``dp_size`` data-parallel groups. ConfigError when a group has fewer samples than one batch."""
-    t = cfg.training
+    by ``dp_size`` data-parallel groups (``t``: the config's ``training`` section). ConfigError when a group
+    has fewer samples than one batch."""
     per_group = math.ceil(num_samples / dp_size)
     if t.batch_size > per_group:
         raise ConfigError(f"training.batch_size {t.batch_size} exceeds the {per_group} samples each of the "
@@ -121,9 +123,9 @@ def rank_memory_budget(accelerator: Any) -> tuple[float, float]:
     return (host, host) if accelerator.device.type != "cuda" else (gpu, host)
 
 
-def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> Any:
-    """``training.offload_checkpoints``, with ``auto`` resolved by the planner against this rank's
-    device memory and its share of the host's available memory."""
+def offload_setting(cfg: FinetuneConfig, run: RunShape, accelerator: Any) -> Any:
+    """``training.offload_checkpoints``, with ``auto`` resolved by the planner for a run in the shape
+    ``run`` against this rank's device memory and its share of the host's available memory."""
     offload = cfg.training.offload_checkpoints
     if offload != "auto":
         return offload
@@ -131,11 +133,11 @@ def offload_setting(cfg: FinetuneConfig, accelerator: Any) -> Any:
         return False  # nothing to gain: the "device" is host memory
     from .planning import describe_offload, resolve_auto_offload
 
-    world, sharding = accelerator.num_processes, run_sharding(accelerator)
+    sharding = run_sharding(accelerator)
     gpu, host = rank_memory_budget(accelerator)
-    plan = resolve_auto_offload(cfg, world, sharding, gpu, host)
+    plan = resolve_auto_offload(cfg, run, sharding, gpu, host)
     if accelerator.is_main_process:
-        logger.info(f"training.offload_checkpoints=auto: {describe_offload(cfg, world, sharding, plan)} "
+        logger.info(f"training.offload_checkpoints=auto: {describe_offload(cfg, run, sharding, plan)} "
                     f"(planner; {gpu / 2**30:.0f} GiB device, {host / 2**30:.0f} GiB host per rank)")
     return plan
 
@@ -203,9 +205,9 @@ def use_fsdp_cpu_offload(accelerator: Any) -> None:
     plugin.cpu_offload = CPUOffloadPolicy(pin_memory=True)
 
 
-def lr_lambda(cfg: FinetuneConfig, total_steps: int):
-    """Warmup then cosine, linear or constant decay to ``min_lr_ratio`` (multiplier of ``lr``)."""
-    t = cfg.training
+def lr_lambda(t: Any, total_steps: int) -> Callable[[int], float]:
+    """Warmup then cosine, linear or constant decay to ``min_lr_ratio`` (multiplier of ``lr``) over
+    ``total_steps``; ``t``: the config's ``training`` section."""
 
     def f(step: int) -> float:
         if step < t.warmup_steps:
@@ -235,5 +237,5 @@ def build_optimizer(model: torch.nn.Module, cfg: FinetuneConfig, total_steps: in
         logger.warning(f"training.warmup_steps={t.warmup_steps} exceeds the run's {total_steps} steps: the "
                        f"learning rate peaks at {t.lr * total_steps / t.warmup_steps:.3g}, not training.lr="
                        f"{t.lr:g}; lower warmup_steps to reach it")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t, total_steps))
     return optimizer, scheduler

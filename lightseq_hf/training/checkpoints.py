@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from .build import lr_lambda
-from .config import FinetuneConfig
 from .errors import ConfigError
 from .log import logger
 from .saving import CheckpointError, publish, temporary_path, write_completion_record
@@ -55,10 +54,11 @@ def _write_failed(e: BaseException) -> bool:
         w in str(e) for w in ("inline_container", "PytorchStreamWriter", "file write failed"))
 
 
-def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
+def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, saving: Any,
                     state: TrainState, out_dir: Path) -> Path:
     """``checkpoint-<step>/``: save_pretrained model (+ tokenizer) and, under ``state/``, everything
-    needed to resume (weights, optimizer, scheduler, counters, RNG states of every rank).
+    needed to resume (weights, optimizer, scheduler, counters, RNG states of every rank), as the
+    ``saving.*`` settings say (``save_optimizer``, ``checksums``).
 
     Written under ``.checkpoint-<step>.tmp``; once every rank has finished, the main process
     records every file (size, sha256) in ``checkpoint_complete.json`` and renames the directory,
@@ -66,7 +66,7 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
     be written (a full disk) is a CheckpointError in one line naming the directory, its free space and
     the fix."""
     try:
-        return _save_checkpoint(accelerator, model, tokenizer, cfg, state, out_dir)
+        return _save_checkpoint(accelerator, model, tokenizer, saving, state, out_dir)
     except Exception as e:
         if not _write_failed(e):
             raise
@@ -82,7 +82,7 @@ def save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cf
             "saving.save_optimizer=false), then resume with saving.resume_from=latest") from e
 
 
-def _save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, cfg: FinetuneConfig,
+def _save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, saving: Any,
                      state: TrainState, out_dir: Path) -> Path:
     step = state.step
     final, tmp = out_dir / f"checkpoint-{step}", temporary_path(out_dir, step)
@@ -98,14 +98,14 @@ def _save_checkpoint(accelerator: Any, model: torch.nn.Module, tokenizer: Any, c
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
     del state_dict
-    if cfg.saving.save_optimizer:
+    if saving.save_optimizer:
         write_training_state(accelerator, tmp / "state")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_completion_record(tmp, step, {"epoch": state.epoch, "samples_in_epoch": state.samples_in_epoch,
                                             "tokens": state.tokens, "world_size": accelerator.num_processes,
                                             "layout": state.layout, "schedule_steps": state.schedule_steps,
-                                            "data_fingerprint": state.data_fingerprint}, cfg.saving.checksums)
+                                            "data_fingerprint": state.data_fingerprint}, saving.checksums)
         aside = publish(tmp, final)
         if aside is not None:
             logger.warning(f"{final.name} already existed (left by another run); moved to {aside.name}")
@@ -134,15 +134,16 @@ def check_same_data(saved: str | None, fingerprint: str, resume: Path) -> None:
             f"weights with model.path={resume}")
 
 
-def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, step: int, resume: Path,
+def check_schedule(training: Any, saving: Any, saved: int | None, total_steps: int, step: int, resume: Path,
                    why: str = "") -> bool:
     """Whether the resumed schedule (``saved`` steps, None: unknown) differs from this run's; ConfigError
-    when it does and ``saving.on_schedule_change`` is ``error`` (``why``: the cause, when known)."""
+    when it does and ``saving.on_schedule_change`` is ``error`` (``why``: the cause, when known).
+    ``training``, ``saving``: the config's sections."""
     if saved is None or saved == total_steps:
         return False
-    if cfg.saving.on_schedule_change == "error":
-        old_lr = cfg.training.lr * lr_lambda(cfg, saved)(step)
-        new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(step)
+    if saving.on_schedule_change == "error":
+        old_lr = training.lr * lr_lambda(training, saved)(step)
+        new_lr = training.lr * lr_lambda(training, total_steps)(step)
         raise ConfigError(
             f"saving.on_schedule_change: {resume} was trained with a learning-rate schedule of {saved} "
             f"steps, this run has {total_steps}{why}; resuming would move the learning rate at step {step} "
@@ -152,16 +153,17 @@ def check_schedule(cfg: FinetuneConfig, saved: int | None, total_steps: int, ste
     return True
 
 
-def reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int, scheduler: Any,
+def reconcile_schedule(training: Any, saving: Any, state: TrainState, total_steps: int, scheduler: Any,
                        resume: Path, why: str = "") -> None:
-    """A resumed run whose step count differs from the checkpoint's: error, or the configured choice."""
+    """A resumed run whose step count differs from the checkpoint's: error, or the choice of
+    ``saving.on_schedule_change`` (``training``, ``saving``: the config's sections)."""
     saved = state.schedule_steps
-    if not check_schedule(cfg, saved, total_steps, state.step, resume, why):
+    if not check_schedule(training, saving, saved, total_steps, state.step, resume, why):
         state.schedule_steps = total_steps
         return
-    choice = cfg.saving.on_schedule_change
-    old_lr = cfg.training.lr * lr_lambda(cfg, saved)(state.step)
-    new_lr = cfg.training.lr * lr_lambda(cfg, total_steps)(state.step)
+    choice = saving.on_schedule_change
+    old_lr = training.lr * lr_lambda(training, saved)(state.step)
+    new_lr = training.lr * lr_lambda(training, total_steps)(state.step)
     if choice == "rebuild":
         state.schedule_steps = total_steps
         logger.info(f"saving.on_schedule_change=rebuild: schedule of {saved} steps rebuilt for "
@@ -169,4 +171,4 @@ def reconcile_schedule(cfg: FinetuneConfig, state: TrainState, total_steps: int,
     else:
         logger.info(f"saving.on_schedule_change=keep: the {saved}-step schedule continues (learning rate at "
                     f"step {state.step}: {old_lr:.3g}) for {total_steps} steps")
-    scheduler.lr_lambdas = [lr_lambda(cfg, state.schedule_steps)] * len(scheduler.lr_lambdas)
+    scheduler.lr_lambdas = [lr_lambda(training, state.schedule_steps)] * len(scheduler.lr_lambdas)

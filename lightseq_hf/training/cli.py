@@ -1,10 +1,11 @@
 """``lightseq-finetune [--nproc N] CONFIG.yaml [key.sub=value ...]`` (also ``scripts/finetune.py``).
 
-With ``--nproc N`` the command checks the config for N processes, then starts them (see :mod:`.launch`);
-without it, it is one worker (under ``accelerate launch``/``torchrun``, or alone). Exit status: 0 done,
-2 a configuration problem (one line, printed by rank 0 only), 1 a run that stopped on a checkpoint,
-non-finite or peer failure (one line per rank that saw it) or because a step ran out of memory on some
-rank (one line on every rank: which rank, where, and the planner's advice for this machine).
+With ``--nproc N`` the command checks the config for N processes, then starts them (see
+:mod:`.processes.launch`); without it, it is one worker (under ``accelerate launch``/``torchrun``, or
+alone). Exit status: 0 done, 2 a configuration problem (one line, printed by rank 0 only), 1 a run that
+stopped on a checkpoint, non-finite or peer failure (one line per rank that saw it) or because a step ran
+out of memory on some rank (one line on every rank: which rank, where, and the planner's advice for this
+machine).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import torch.distributed as dist
 from ..parallel.failures import PeerFailure, explain_peer_failure, is_comm_failure, one_line, report_failure
 from .config import FinetuneConfig, load_config
 from .errors import ConfigError
-from .launch import LAUNCHER_PID_ENV, STOP_SIGNALS
 from .log import install_console_handler, logger
 from .output import release_output_dir_locks
+from .processes.launch import LAUNCHER_PID_ENV, STOP_SIGNALS
+from .shape import RunShape, run_shape
 
 __all__ = ["main", "run", "worker_failed"]
 
@@ -94,11 +96,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be a positive number of GiB; got {value}")
 
 
-def _check_text(cfg: FinetuneConfig, config_path: str, world: int | None, resume: Path | None) -> str:
-    """What ``--check`` verified, in one line."""
-    sp = cfg.sp_size or world
-    layout = (f"world {world} = {world // sp} data-parallel x {sp} sequence-parallel, "
-              f"{cfg.context_length // sp} tokens per rank" if world and sp else
+def _check_text(cfg: FinetuneConfig, config_path: str, shape: RunShape | None, resume: Path | None) -> str:
+    """What ``--check`` verified, in one line (``shape``: None when the world size is not given)."""
+    layout = (f"{shape.describe()}, {shape.tokens_per_rank} tokens per rank" if shape is not None else
               "world size not given (add --world-size N to check the process layout)")
     m = cfg.model
     model = f"model.path {m.path}" if m.path else f"model.config ({m.config.get('model_type')}, keys checked)"
@@ -175,8 +175,8 @@ def worker_failed(e: BaseException, timeout_s: float | None = None) -> int:
     (``timeout_s``: the run's ``training.timeout_s``, named when a wait ran out); the process's exit
     status."""
     from ..guard.parity import ParityError
-    from .failures import OutOfMemoryStop
     from .guards import NonFiniteError
+    from .processes.board import OutOfMemoryStop
     from .saving import CheckpointError
 
     if _stopped_by[0] is not None or isinstance(e, KeyboardInterrupt):
@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
         _check_numbers(args)
         world = args.world_size or args.nproc or _world_size()
         cfg = load_config(args.config, args.overrides, world_size=world)
+        shape = run_shape(cfg, world) if world else None
         if args.check or args.nproc:
             from .output import prepare_output_dir
 
@@ -262,7 +263,8 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
         from .planning import plan_text
 
         try:
-            print(plan_text(cfg, world, args.sharding, args.gpu_gib, args.host_gib))
+            planned = shape or run_shape(cfg, cfg.sp_size or 1)
+            print(plan_text(cfg, planned, args.sharding, args.gpu_gib, args.host_gib))
         except (ConfigError, ValueError) as e:
             return _fail(f"--plan: {e}", _EXIT_CONFIG)
         return 0
@@ -275,36 +277,36 @@ def main(argv: list[str] | None = None, worker_module: str = _WORKER_MODULE) -> 
         from .preflight import preflight
 
         try:
-            done = preflight(cfg, world, resume)
+            done = preflight(cfg, shape, resume)
         except ConfigError as e:
             return _fail(f"config error: {e}", _EXIT_CONFIG)
         except RuntimeError as e:  # CheckpointError
             return _fail(str(e), _EXIT_FAILED)
     if args.check:
-        print(f"lightseq-finetune: {_check_text(cfg, args.config, world, resume)}; {'; '.join(done)}",
+        print(f"lightseq-finetune: {_check_text(cfg, args.config, shape, resume)}; {'; '.join(done)}",
               flush=True)
         return 0
     if args.nproc:
-        from .launch import launch
+        from .processes.launch import launch
 
         try:
             return launch(args.nproc, worker_module, _worker_args(argv), args.accelerate_config,
                           grace_s=min(max(cfg.training.timeout_s, 2.0), 10.0))
         except (ValueError, OSError) as e:  # accelerate refusing its config file
             return _fail(f"--accelerate-config: {e}", _EXIT_CONFIG)
-    _start_worker(cfg)
+    _start_worker(cfg.training.device)
     return _run_worker(cfg)
 
 
-def _start_worker(cfg: FinetuneConfig) -> None:
+def _start_worker(device: str) -> None:
     """What a training process sets before its first CUDA allocation: the allocator's default (said by
-    rank 0 when the run uses CUDA)."""
+    rank 0 when the run uses CUDA; ``device``: ``training.device``)."""
     import torch
 
-    from .launch import use_expandable_segments
+    from .processes.launch import use_expandable_segments
 
     line = use_expandable_segments()
-    if _is_reporting_rank() and cfg.training.device != "cpu" and torch.cuda.is_available():
+    if _is_reporting_rank() and device != "cpu" and torch.cuda.is_available():
         logger.info(line)
 
 

@@ -33,6 +33,7 @@ from .architecture import check_model_config, model_vocab_size
 from .data import FILE_FORMATS, detect_format
 from .errors import ConfigError
 from .keys import meant_key
+from .shape import check_sizes
 
 __all__ = ["ConfigError", "FinetuneConfig", "OffloadLayers", "RESUME_LATEST", "RESUME_LATEST_OR_FRESH",
            "config_from_dict", "load_config", "parse_overrides", "validate"]
@@ -400,17 +401,7 @@ def _validate_layout(cfg: FinetuneConfig, world_size: int | None) -> None:
     if t.offload_checkpoints and t.checkpointing == "none":
         raise ConfigError("training.offload_checkpoints needs checkpointing (training.checkpointing remat or "
                           "hf): it offloads what checkpointed layers keep")
-    sp = cfg.sp_size or world_size  # None: not launched yet and no sp_size given
-    if world_size is not None and world_size % sp:
-        raise ConfigError(
-            f"sp_size {sp} does not divide the world size {world_size} (launched processes); choose "
-            f"one of {', '.join(str(k) for k in range(1, world_size + 1) if world_size % k == 0)}"
-        )
-    if sp is not None and cfg.context_length % sp:
-        raise ConfigError(
-            f"context_length {cfg.context_length} is not divisible by sp_size {sp}: every rank "
-            f"of a sequence-parallel group holds context_length / sp_size tokens"
-        )
+    check_sizes(cfg.context_length, cfg.sp_size, world_size)  # None: not launched yet
 
 
 def _validate_model(cfg: FinetuneConfig, base: Path | None) -> int | None:

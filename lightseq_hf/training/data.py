@@ -146,17 +146,18 @@ def _unreadable_data(data_cfg: Any, error: BaseException) -> str:
     return f"{what}: could not be read ({type(cause).__name__}: {reason}); fix or remove the malformed record"
 
 
-def data_fingerprint(cfg: Any) -> str:
-    """A digest of what the training samples are made of: the data settings that shape them, the context
-    length and, for local files, their bytes (not their paths: a moved copy is the same data)."""
+def data_fingerprint(data_cfg: Any, context_length: int) -> str:
+    """A digest of what the training samples are made of: the data settings (``data.*``) that shape them,
+    the context length and, for local files, their bytes (not their paths: a moved copy is the same
+    data)."""
     from .saving import file_sha256
 
-    settings = cfg.data.model_dump(exclude={"paths", "num_proc", "synthetic"})
-    if cfg.data.type == "synthetic":
-        settings["synthetic"] = cfg.data.synthetic.model_dump(exclude={"eval_samples"})
-    h = hashlib.sha256(json.dumps([settings, cfg.context_length], sort_keys=True, default=str).encode())
-    if cfg.data.type == "files":
-        for path in cfg.data.paths:
+    settings = data_cfg.model_dump(exclude={"paths", "num_proc", "synthetic"})
+    if data_cfg.type == "synthetic":
+        settings["synthetic"] = data_cfg.synthetic.model_dump(exclude={"eval_samples"})
+    h = hashlib.sha256(json.dumps([settings, context_length], sort_keys=True, default=str).encode())
+    if data_cfg.type == "files":
+        for path in data_cfg.paths:
             h.update(file_sha256(Path(path)).encode())
     return h.hexdigest()[:16]
 
@@ -255,17 +256,19 @@ def tokenize_and_pack(ds: Any, tokenizer: Any, context_length: int, text_field: 
     return packed
 
 
-def build_text_dataset(cfg: Any, tokenizer: Any, main_process_first: Callable | None = None) -> Any:
-    """Load, tokenize and pack the configured documents (the main process builds the cache first)."""
+def build_text_dataset(data_cfg: Any, context_length: int, tokenizer: Any,
+                       main_process_first: Callable | None = None) -> Any:
+    """Load, tokenize and pack the documents ``data.*`` names into ``context_length`` blocks (the main
+    process builds the cache first)."""
     import contextlib
 
     ctx = main_process_first() if main_process_first is not None else contextlib.nullcontext()
     refused: ConfigError | None = None
     with ctx:  # a refusal leaves the block normally: the other ranks wait for the main one in it
         try:
-            raw = load_raw_dataset(cfg.data)
-            packed = tokenize_and_pack(raw, tokenizer, cfg.context_length, cfg.data.text_field,
-                                       cfg.data.add_eos, cfg.data.num_proc, packing=cfg.data.packing)
+            raw = load_raw_dataset(data_cfg)
+            packed = tokenize_and_pack(raw, tokenizer, context_length, data_cfg.text_field,
+                                       data_cfg.add_eos, data_cfg.num_proc, packing=data_cfg.packing)
         except ConfigError as e:
             refused = e
     if refused is not None:
@@ -341,15 +344,17 @@ def collate(samples: list[dict]) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_train_dataset(cfg: Any, tokenizer: Any = None, main_process_first: Callable | None = None,
-                        vocab_size: int | None = None) -> Dataset:
-    """The training dataset the config names: the synthetic task or packed text."""
-    if cfg.data.type == "synthetic":
+def build_train_dataset(data_cfg: Any, context_length: int, vocab_size: int, tokenizer: Any = None,
+                        main_process_first: Callable | None = None) -> Dataset:
+    """The training dataset ``data.*`` names, in sequences of ``context_length`` tokens: the synthetic task
+    (ids below the model's ``vocab_size``) or packed text."""
+    if data_cfg.type == "synthetic":
         from .synthetic import PasskeyDataset
 
-        return PasskeyDataset(passkey_spec(cfg, vocab_size=vocab_size), cfg.data.synthetic.num_samples)
+        spec = passkey_spec(data_cfg.synthetic, context_length, vocab_size)
+        return PasskeyDataset(spec, data_cfg.synthetic.num_samples)
     require_tokenizer(tokenizer)
-    return build_text_dataset(cfg, tokenizer, main_process_first)
+    return build_text_dataset(data_cfg, context_length, tokenizer, main_process_first)
 
 
 def require_tokenizer(tokenizer: Any) -> None:
@@ -359,12 +364,12 @@ def require_tokenizer(tokenizer: Any) -> None:
                           "to a tokenizer directory or name, or to 'bytes'")
 
 
-def passkey_spec(cfg: Any, seed: int | None = None, vocab_size: int | None = None) -> Any:
-    """The PasskeySpec of a config (``seed`` overrides, e.g. a held-out evaluation seed)."""
+def passkey_spec(synthetic: Any, context_length: int, vocab_size: int, seed: int | None = None) -> Any:
+    """The PasskeySpec of ``data.synthetic`` at ``context_length`` for a model of ``vocab_size`` ids
+    (``seed`` overrides, e.g. a held-out evaluation seed)."""
     from .synthetic import PasskeySpec
 
-    s = cfg.data.synthetic
-    vocab = vocab_size or (cfg.model.config or {}).get("vocab_size", 256)
-    return PasskeySpec(cfg.context_length, vocab, s.num_values, s.passkey_len, s.needle_max_frac,
+    s = synthetic
+    return PasskeySpec(context_length, vocab_size, s.num_values, s.passkey_len, s.needle_max_frac,
                        s.seed if seed is None else seed, filler=s.filler, filler_period=s.filler_period,
                        needle_repeat=s.needle_repeat)

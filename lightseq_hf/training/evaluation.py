@@ -8,27 +8,27 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.sharding import shard_for
-from .config import FinetuneConfig
 from .data import collate, passkey_spec
 
 __all__ = ["evaluate_passkey"]
 
 
 @torch.no_grad()
-def evaluate_passkey(model: torch.nn.Module, cfg: FinetuneConfig, vocab_size: int, groups: Any,
-                     device: torch.device, batch_size: int) -> dict:
-    """Retrieval accuracy on held-out passkey samples (greedy prediction of each answer token).
+def evaluate_passkey(model: torch.nn.Module, synthetic: Any, context_length: int, vocab_size: int,
+                     groups: Any, device: torch.device, batch_size: int) -> dict:
+    """Retrieval accuracy on ``data.synthetic.eval_samples`` held-out passkey samples of ``context_length``
+    tokens (greedy prediction of each answer token).
 
     Data-parallel groups split the samples; each rank scores the answer positions inside its
     own slice of the sequence; counts are summed over all ranks.
     """
     from .synthetic import PasskeyDataset, answer_accuracy
 
-    spec = passkey_spec(cfg, seed=cfg.data.synthetic.seed + 1_000_000, vocab_size=vocab_size)
-    n_eval = cfg.data.synthetic.eval_samples
+    spec = passkey_spec(synthetic, context_length, vocab_size, seed=synthetic.seed + 1_000_000)
+    n_eval = synthetic.eval_samples
     ds = PasskeyDataset(spec, n_eval)
     mine = list(range(groups.dp_rank, n_eval, groups.dp_size))
-    n = cfg.context_length
+    n = context_length
     shard = shard_for(n, groups.sp_rank, groups.sp_size)  # n is a multiple of sp_size (validate)
     start, local = shard.start, shard.local_len
     counts = torch.zeros(4, dtype=torch.float64)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .shape import RunShape
 
 __all__ = ["DataLayout", "ResumePlace", "check_resume_layout", "epoch_steps_left", "place_resume",
            "resumed_total_steps"]
@@ -41,6 +42,11 @@ class DataLayout:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DataLayout:
         return cls(**{k: int(data[k]) for k in cls.__dataclass_fields__})
+
+    @classmethod
+    def of(cls, run: RunShape, order_seed: int) -> DataLayout:
+        """The layout of a run in the shape ``run`` whose epochs are ordered by ``order_seed``."""
+        return cls(run.world_size, run.sp_size, run.dp_size, run.batch_size, run.grad_accum, order_seed)
 
     @property
     def samples_per_step(self) -> int:

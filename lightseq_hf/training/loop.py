@@ -39,22 +39,23 @@ from .config import FinetuneConfig, validate
 from .data import ParallelSampler, build_train_dataset, collate, data_fingerprint, load_tokenizer
 from .errors import ConfigError
 from .evaluation import evaluate_passkey
-from .failures import (
-    FailureBoard,
-    PeerWatch,
-    is_out_of_memory,
-    main_decides,
-    out_of_memory_line,
-    stop_for_out_of_memory,
-    tell_peers,
-)
 from .guards import NonFiniteError, Progress, check_every_parameter_has_a_gradient
 from .layout import DataLayout, place_resume
 from .log import logger
 from .output import MetricsWriter, plot_metrics, prepare_output_dir, read_summary, write_json
 from .output import release_output_dir_locks as release_locks
 from .planning import memory_advice
+from .processes.board import (
+    FailureBoard,
+    is_out_of_memory,
+    main_decides,
+    out_of_memory_line,
+    stop_for_out_of_memory,
+    tell_peers,
+)
+from .processes.watchdog import watch_peers
 from .saving import read_completion_record
+from .shape import run_shape
 
 __all__ = ["StepResult", "Trainer", "train"]
 
@@ -87,7 +88,7 @@ def _resume_point(cfg: FinetuneConfig) -> tuple[Path | None, dict | None, str]:
     resume = prepare_output_dir(cfg)
     record = read_completion_record(resume) if resume is not None else None
     saved = {"step": record["step"], **record.get("meta", {})} if record is not None else None
-    return resume, saved, data_fingerprint(cfg)
+    return resume, saved, data_fingerprint(cfg.data, cfg.context_length)
 
 
 class Trainer:
@@ -114,14 +115,15 @@ class Trainer:
         self.timeout = datetime.timedelta(seconds=t.timeout_s)
         self.accelerator = Accelerator(cpu=use_cpu, mixed_precision=t.mixed_precision,
                                        kwargs_handlers=[InitProcessGroupKwargs(timeout=self.timeout)])
-        self.world = self.accelerator.num_processes
+        world = self.accelerator.num_processes
         self.is_main = self.accelerator.is_main_process
         self.device = self.accelerator.device
-        validate(self.cfg, world_size=self.world)
+        validate(self.cfg, world_size=world)
+        self.shape = run_shape(self.cfg, world)  # the run's one shape
         set_seed(t.seed)  # the same initial weights on every rank
-        self.progress = Progress(self.accelerator.process_index, self.world, t.timeout_s)
+        self.progress = Progress(self.accelerator.process_index, world, t.timeout_s)
         self.memory_budget = rank_memory_budget(self.accelerator)  # before this run holds any
-        self.failures = FailureBoard.for_default_group(self.accelerator.process_index, self.world)
+        self.failures = FailureBoard.for_default_group(self.accelerator.process_index, world)
 
     def _build_run(self) -> None:
         """Groups, the resume choice, tokenizer, patched model, dataset and the step count."""
@@ -129,7 +131,7 @@ class Trainer:
 
         cfg, t = self.cfg, self.t
         with self.progress.phase("set-up", 0):
-            self.groups = init_sequence_parallel(cfg.sp_size or self.world, timeout=self.timeout)
+            self.groups = init_sequence_parallel(self.shape.sp_size, timeout=self.timeout)
             self.resume, self.saved, self.data_fingerprint = main_decides(
                 self.accelerator, lambda: _resume_point(cfg))
         self.resume_step = self.saved["step"] if self.saved is not None else None
@@ -137,14 +139,16 @@ class Trainer:
         model = build_model_or_explain(cfg, self.device)
         self.vocab_size = model.config.vocab_size
         check_tokenizer_fits(cfg, self.tokenizer, self.vocab_size)
-        self.model = apply_patch(model, cfg, self.groups.sp_group, offload_setting(cfg, self.accelerator))
+        offload = offload_setting(cfg, self.shape, self.accelerator)
+        self.model = apply_patch(model, cfg, self.groups.sp_group, offload)
         self.n_params = metrics.flop_params(self.model)
-        self.dataset = build_train_dataset(cfg, self.tokenizer, self.accelerator.main_process_first,
-                                           vocab_size=self.vocab_size)
-        g = self.groups
-        self.sampler = ParallelSampler(len(self.dataset), g.dp_size, g.dp_rank, shuffle=True, seed=t.seed)
-        self.total_steps = count_steps(cfg, len(self.dataset), g.dp_size)
-        self.layout = DataLayout(self.world, g.sp_size, g.dp_size, t.batch_size, t.grad_accum, t.seed)
+        self.dataset = build_train_dataset(cfg.data, self.shape.context_length, self.vocab_size,
+                                           self.tokenizer, self.accelerator.main_process_first)
+        dp_size = self.shape.dp_size
+        self.sampler = ParallelSampler(len(self.dataset), dp_size, self.groups.dp_rank, shuffle=True,
+                                       seed=t.seed)
+        self.total_steps = count_steps(t, len(self.dataset), dp_size)
+        self.layout = DataLayout.of(self.shape, t.seed)
         if self.saved is not None:  # where the epoch continues under this layout (ConfigError if it cannot)
             self.place = place_resume(self.saved, self.layout, len(self.dataset), t.max_steps, t.epochs,
                                       self.total_steps, self.resume)
@@ -169,8 +173,9 @@ class Trainer:
             check_same_data(self.state.data_fingerprint, self.data_fingerprint, self.resume)
             self.state.data_fingerprint = self.data_fingerprint
             if self.state.layout is None:  # a position counted per data-parallel group of this layout
-                self.state.samples_in_epoch *= self.groups.dp_size
-            reconcile_schedule(cfg, self.state, self.total_steps, self.scheduler, self.resume, self.place.why)
+                self.state.samples_in_epoch *= self.shape.dp_size
+            reconcile_schedule(t, cfg.saving, self.state, self.total_steps, self.scheduler, self.resume,
+                               self.place.why)
             if self.is_main:
                 s = self.state
                 verified = " (checksums verified)" if cfg.saving.checksums else ""
@@ -182,15 +187,13 @@ class Trainer:
         self.state.layout = self.layout.to_dict()
         self.writer = MetricsWriter(self.out_dir / cfg.logging.metrics_file if self.is_main else None,
                                     self.state.step if self.resume is not None else None)
-        g = self.groups
-        self.seqs_per_step = t.batch_size * t.grad_accum * g.dp_size
-        self.tokens_per_step = self.seqs_per_step * cfg.context_length
+        run = self.shape
         self.flops_per_step = metrics.model_flops_per_step(
-            acc.unwrap_model(self.model).config, self.n_params, self.seqs_per_step, cfg.context_length)
+            acc.unwrap_model(self.model).config, self.n_params, run.sequences_per_step, run.context_length)
         self.peak = metrics.peak_tflops(self.device, cfg.logging.peak_tflops)
         if self.is_main:
-            logger.info(f"world {self.world} = {g.dp_size} data-parallel x {g.sp_size} sequence-parallel; "
-                        f"context {cfg.context_length} ({cfg.context_length // g.sp_size} tokens per rank); "
+            logger.info(f"{run.describe()}; "
+                        f"context {run.context_length} ({run.tokens_per_rank} tokens per rank); "
                         f"{self.n_params / 1e6:.2f}M non-embedding parameters; {self.total_steps} steps; "
                         f"device {self.device}")
 
@@ -251,7 +254,7 @@ class Trainer:
         t, acc = self.t, self.accelerator
         step = self.state.step + 1
         tic = time.perf_counter()
-        if step == 1 and self.cfg.parity.enabled and self.groups.sp_size > 1:
+        if step == 1 and self.cfg.parity.enabled and self.shape.sp_size > 1:
             with self.progress.phase("parity check", step):
                 self._check_parity(batches[0])
         with self.progress.phase("forward/backward", step):
@@ -277,8 +280,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.state.step = step
-        self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches) * self.groups.dp_size
-        self.state.tokens += self.tokens_per_step
+        self.state.samples_in_epoch += sum(len(b["input_ids"]) for b in batches) * self.shape.dp_size
+        self.state.tokens += self.shape.tokens_per_step
         return StepResult(loss, grad_norm, skipped, time.perf_counter() - tic, batches)
 
     def _guarded_step(self, batches: list[dict]) -> StepResult:
@@ -288,7 +291,7 @@ class Trainer:
         except Exception as e:
             if not is_out_of_memory(e):
                 raise
-            advice = memory_advice(self.cfg, self.world, run_sharding(self.accelerator), *self.memory_budget)
+            advice = memory_advice(self.cfg, self.shape, run_sharding(self.accelerator), *self.memory_budget)
             line = out_of_memory_line(self.accelerator.process_index, self.progress.operation,
                                       self.state.step + 1, e, self.device, advice)
         raise stop_for_out_of_memory(self.failures, line)  # outside the handler: its frames are freed
@@ -318,8 +321,8 @@ class Trainer:
         total = self.accelerator.reduce(torch.tensor(float(pairs), device=self.device), reduction="sum")
         pairs = float(total)
         return metrics.model_flops_per_step(self.accelerator.unwrap_model(self.model).config, self.n_params,
-                                            self.seqs_per_step, self.cfg.context_length,
-                                            attention_pairs=pairs / self.groups.sp_size)
+                                            self.shape.sequences_per_step, self.shape.context_length,
+                                            attention_pairs=pairs / self.shape.sp_size)
 
     def log_step(self, r: StepResult) -> dict:
         """The step's metrics record (written every ``logging.every`` steps, the last, and skipped ones)
@@ -329,7 +332,7 @@ class Trainer:
         s = self.state
         rec = {"kind": "train", "step": s.step, "epoch": s.epoch, "loss": r.loss,
                "lr": self.scheduler.get_last_lr()[0], "step_time_s": r.seconds, "tokens": s.tokens,
-               "tokens_per_s": self.tokens_per_step / r.seconds,
+               "tokens_per_s": self.shape.tokens_per_step / r.seconds,
                "elapsed_s": time.perf_counter() - self.t_start}
         if r.grad_norm is not None:
             rec["grad_norm"] = r.grad_norm
@@ -337,9 +340,9 @@ class Trainer:
             rec["skipped"] = True
         flops = self._step_flops(r.batches)
         if self.device.type == "cuda":
-            rec["tflops_per_gpu"] = metrics.tflops_per_device(flops, r.seconds, self.world)
+            rec["tflops_per_gpu"] = metrics.tflops_per_device(flops, r.seconds, self.shape.world_size)
             if self.peak:
-                rec["mfu"] = metrics.mfu(flops, r.seconds, self.world, self.peak)
+                rec["mfu"] = metrics.mfu(flops, r.seconds, self.shape.world_size, self.peak)
             mem = torch.tensor([metrics.memory_stats(self.device)["peak_allocated_gib"]], device=self.device)
             rec["peak_mem_gib_per_rank"] = [round(float(x), 2) for x in self.accelerator.gather(mem).cpu()]
         if s.step % self.cfg.logging.every == 0 or s.step == self.total_steps or r.skipped:
@@ -358,8 +361,8 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out retrieval accuracy (synthetic data), written to the metrics."""
         with self.progress.phase("evaluation", self.state.step):
-            res = evaluate_passkey(self.model, self.cfg, self.vocab_size, self.groups, self.device,
-                                   self.t.batch_size)
+            res = evaluate_passkey(self.model, self.cfg.data.synthetic, self.shape.context_length,
+                                   self.vocab_size, self.groups, self.device, self.shape.batch_size)
         res.update(kind="eval", step=self.state.step)
         self.writer.write(res)
         self.last_eval = res
@@ -368,7 +371,7 @@ class Trainer:
     def save(self) -> Path:
         """``checkpoint-<step>/`` (see save_checkpoint); a failed write (a full disk) is a CheckpointError."""
         with self.progress.phase("checkpoint save", self.state.step):
-            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg, self.state,
+            return save_checkpoint(self.accelerator, self.model, self.tokenizer, self.cfg.saving, self.state,
                                    self.out_dir)
 
     def _after_step(self) -> None:
@@ -413,9 +416,7 @@ class Trainer:
         self.bar = tqdm(total=self.total_steps, initial=self.state.step, desc="fine-tune", dynamic_ncols=True,
                         disable=not (self.is_main and self.cfg.logging.progress_bar))
         metrics.reset_peak_memory(self.device)
-        self.watch = PeerWatch(self.failures) if self.failures is not None else None
-        if self.watch is not None:
-            self.watch.start()
+        self.watch = watch_peers(self.failures)
         self.t_start = time.perf_counter()
         self.model.train()
         self.start_step = self.state.step
@@ -433,11 +434,12 @@ class Trainer:
     # ------------------------------------------------------------------ the end
 
     def summary(self, ckpt: Path | None) -> dict:
-        cfg, g, s = self.cfg, self.groups, self.state
+        run, s = self.shape, self.state
         summary = {
             "steps": s.step, "final_loss": self.last_loss, "wall_s": time.perf_counter() - self.t_start,
-            "train_s": self.train_time, "tokens": s.tokens, "world_size": self.world, "sp_size": g.sp_size,
-            "dp_size": g.dp_size, "context_length": cfg.context_length, "device": _device_name(self.device),
+            "train_s": self.train_time, "tokens": s.tokens, "world_size": run.world_size,
+            "sp_size": run.sp_size, "dp_size": run.dp_size, "context_length": run.context_length,
+            "device": _device_name(self.device),
             "date": datetime.date.today().isoformat(), "checkpoint": str(ckpt) if ckpt else None,
             "resumed_from": str(self.resume) if self.resume is not None else None,
             "skipped_steps": s.skipped_steps, "torch": torch.__version__, "host": platform.node(),
@@ -454,8 +456,8 @@ class Trainer:
             write_json(self.out_dir / "summary.json", summary)
             if self.cfg.logging.plot:
                 plot_metrics(self.out_dir / self.cfg.logging.metrics_file, self.out_dir / "loss.png",
-                             f"{self.cfg.context_length} tokens, sp {self.groups.sp_size} x dp "
-                             f"{self.groups.dp_size}")
+                             f"{self.shape.context_length} tokens, sp {self.shape.sp_size} x dp "
+                             f"{self.shape.dp_size}")
             msg = f"done: {summary['steps']} steps in {summary['wall_s']:.0f}s, loss {self.last_loss:.3f}"
             if self.last_eval:
                 e = self.last_eval

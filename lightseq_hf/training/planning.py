@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .shape import RunShape, run_shape
 
 __all__ = ["describe_offload", "memory_advice", "offload_value", "plan_inputs", "plan_text",
            "resolve_auto_offload"]
@@ -16,9 +17,13 @@ __all__ = ["describe_offload", "memory_advice", "offload_value", "plan_inputs", 
 
 def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
     """The planner's ``(ModelShape, PlanOptions)`` for a config run on ``world`` processes."""
+    return _inputs(cfg, run_shape(cfg, world), sharding)
+
+
+def _inputs(cfg: Any, run: RunShape, sharding: str) -> tuple[Any, Any]:
+    """The planner's ``(ModelShape, PlanOptions)`` for a config run in the shape ``run``."""
     from ..planner import ModelShape, PlanOptions
 
-    sp = cfg.sp_size or world
     entries = {}
     if cfg.model.path is not None:
         config_file = Path(cfg.model.path) / "config.json"
@@ -30,9 +35,9 @@ def plan_inputs(cfg: Any, world: int, sharding: str) -> tuple[Any, Any]:
     shape = ModelShape.from_config(entries)
     t = cfg.training
     compute = {"bf16": "bfloat16", "fp16": "float16"}.get(t.mixed_precision or "", cfg.model.dtype)
-    opts = PlanOptions(context=cfg.context_length, sp_size=sp, world=world, batch=t.batch_size,
-                       sharding=sharding if world > 1 else "replicated", master_dtype=cfg.model.dtype,
-                       compute_dtype=compute, checkpointing=t.checkpointing,
+    opts = PlanOptions(context=run.context_length, sp_size=run.sp_size, world=run.world_size,
+                       batch=run.batch_size, sharding=sharding if run.world_size > 1 else "replicated",
+                       master_dtype=cfg.model.dtype, compute_dtype=compute, checkpointing=t.checkpointing,
                        offload_checkpoints=offload_value(t.offload_checkpoints), tiled_mlp=t.tiled_mlp,
                        cpu_offload=t.cpu_offload,
                        attention_kernel=_planned_backend(cfg, shape.head_dim, compute))
@@ -70,7 +75,7 @@ def offload_value(value: Any) -> Any:
     return value.model_dump() if hasattr(value, "model_dump") else value
 
 
-def resolve_auto_offload(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> Any:
+def resolve_auto_offload(cfg: Any, run: RunShape, sharding: str, gpu_bytes: float, host_bytes: float) -> Any:
     """``training.offload_checkpoints: auto``: the planner's :class:`~lightseq_hf.planner.OffloadPlan` for
     the step to fit ``gpu_bytes`` and ``host_bytes`` per rank (:func:`~lightseq_hf.planner.choose_offload`:
     the fewest layers under plain recompute, then the fewest offloaded); every layer offloaded when even
@@ -78,12 +83,12 @@ def resolve_auto_offload(cfg: Any, world: int, sharding: str, gpu_bytes: float, 
     host cannot hold what must go there."""
     from ..planner import GIB, OffloadPlan, choose_offload
 
-    shape, opts = plan_inputs(cfg, world, sharding)
+    shape, opts = _inputs(cfg, run, sharding)
     plan = choose_offload(shape, opts, gpu_bytes, host_bytes)
     if plan is None:
         if choose_offload(shape, opts, gpu_bytes) is not None:
             raise ConfigError(
-                f"training.offload_checkpoints=auto: at context_length {cfg.context_length} the checkpoints "
+                f"training.offload_checkpoints=auto: at context_length {run.context_length} the checkpoints "
                 f"the device cannot keep do not fit {host_bytes / GIB:.0f} GiB of host memory per rank "
                 "either, even under plain recompute; shorten the context, use more GPUs, or add "
                 "training.tiled_mlp (see lightseq-finetune CONFIG --plan)")
@@ -91,11 +96,11 @@ def resolve_auto_offload(cfg: Any, world: int, sharding: str, gpu_bytes: float, 
     return plan
 
 
-def describe_offload(cfg: Any, world: int, sharding: str, plan: Any) -> str:
+def describe_offload(cfg: Any, run: RunShape, sharding: str, plan: Any) -> str:
     """What ``offload_checkpoints: auto`` chose, and what its plain recompute costs per step."""
     from ..planner import recompute_cost
 
-    shape, opts = plan_inputs(cfg, world, sharding)
+    shape, opts = _inputs(cfg, run, sharding)
     text = f"{min(plan.layers, shape.layers)} of {shape.layers} layers offloaded"
     if plan.recompute:
         text += (f"; the first {plan.recompute} keep only their input (plain recompute: {plan.recompute} "
@@ -104,16 +109,14 @@ def describe_offload(cfg: Any, world: int, sharding: str, plan: Any) -> str:
     return text
 
 
-def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
-              host_gib: float | None) -> str:
+def plan_text(cfg: Any, run: RunShape, sharding: str, gpu_gib: float | None, host_gib: float | None) -> str:
     """The ``--plan`` report: predicted peaks at the config's context and the longest that fits."""
     from dataclasses import replace
 
     from ..planner import GIB, choose_offload, longest_context, plan_memory
 
-    world = world or cfg.sp_size or 1
-    sp = cfg.sp_size or world
-    shape, opts = plan_inputs(cfg, world, sharding)
+    world = run.world_size
+    shape, opts = _inputs(cfg, run, sharding)
     t = cfg.training
     if gpu_gib is None:
         import torch
@@ -126,17 +129,17 @@ def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
     if t.offload_checkpoints == "auto":
         chosen = choose_offload(shape, opts, gpu_gib * GIB, host_gib * GIB)
         offload_note = ("offload_checkpoints auto at this context: "
-                        f"{describe_offload(cfg, world, sharding, chosen)}" if chosen is not None else
+                        f"{describe_offload(cfg, run, sharding, chosen)}" if chosen is not None else
                         "offload_checkpoints auto: no number of offloaded layers fits at this context")
         plan = plan_memory(shape, replace(opts, offload_checkpoints=chosen or True))
     else:
         plan = plan_memory(shape, opts)
     longest = longest_context(shape, opts, gpu_gib * GIB, host_gib * GIB)
     options = (f"checkpointing {t.checkpointing}, offload_checkpoints {t.offload_checkpoints}, tiled_mlp "
-               f"{t.tiled_mlp}, cpu_offload {t.cpu_offload}, {opts.sharding} over {world} ranks, sp {sp}, "
-               f"{opts.compute_dtype} activations, {cfg.model.dtype} master weights, AdamW")
+               f"{t.tiled_mlp}, cpu_offload {t.cpu_offload}, {opts.sharding} over {world} ranks, sp "
+               f"{run.sp_size}, {opts.compute_dtype} activations, {cfg.model.dtype} master weights, AdamW")
     return "\n".join([
-        f"plan for {cfg.context_length} tokens ({cfg.context_length // sp} per rank), "
+        f"plan for {run.context_length} tokens ({run.tokens_per_rank} per rank), "
         f"{shape.params / 1e9:.2f}B parameters; {options}",
         *([offload_note] if offload_note else []),
         plan.describe(),
@@ -150,7 +153,7 @@ def plan_text(cfg: Any, world: int | None, sharding: str, gpu_gib: float | None,
 _ADVICE_TILE = 8192
 
 
-def _memory_options(cfg: Any, world: int, sharding: str) -> list[tuple[str, dict]]:
+def _memory_options(cfg: Any, run: RunShape, sharding: str) -> list[tuple[str, dict]]:
     """The memory options a config has left to turn on, cheapest in step time first: ``(the setting to
     write, the planner's changes)``."""
     t = cfg.training
@@ -161,31 +164,31 @@ def _memory_options(cfg: Any, world: int, sharding: str) -> list[tuple[str, dict
         out.append(("training.offload_checkpoints=auto", {"offload_checkpoints": "auto"}))
     if t.tiled_mlp is None:
         out.append((f"training.tiled_mlp={_ADVICE_TILE}", {"tiled_mlp": _ADVICE_TILE}))
-    if (cfg.sp_size or world) < world:
-        out.append((f"sp_size={world}", {"sp_size": world}))
-    if not t.cpu_offload and sharding == "fsdp" and world > 1:
+    if run.sp_size < run.world_size:
+        out.append((f"sp_size={run.world_size}", {"sp_size": run.world_size}))
+    if not t.cpu_offload and sharding == "fsdp" and run.world_size > 1:
         out.append(("training.cpu_offload=true", {"cpu_offload": True}))
     return out
 
 
-def memory_advice(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> str:
+def memory_advice(cfg: Any, run: RunShape, sharding: str, gpu_bytes: float, host_bytes: float) -> str:
     """What to change when a step of ``cfg`` runs out of memory, in one sentence: the cheapest memory
     option the planner says makes the context fit ``gpu_bytes`` of device and ``host_bytes`` of host
     memory per rank (or all of them, and how far they reach), and the longest context as configured.
     Never raises: a planner that cannot read the config makes the sentence point at ``--plan``."""
     try:
-        return _advice(cfg, world, sharding, gpu_bytes, host_bytes)
+        return _advice(cfg, run, sharding, gpu_bytes, host_bytes)
     except Exception as e:  # noqa: BLE001 - the out-of-memory line must come whatever the planner says
         return f"lightseq-finetune CONFIG --plan shows what fits (the planner could not advise: {e})"
 
 
-def _advice(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: float) -> str:
+def _advice(cfg: Any, run: RunShape, sharding: str, gpu_bytes: float, host_bytes: float) -> str:
     from dataclasses import replace
 
     from ..planner import GIB, longest_context
 
-    shape, opts = plan_inputs(cfg, world, sharding)
-    context = cfg.context_length
+    shape, opts = _inputs(cfg, run, sharding)
+    context = run.context_length
 
     def reach(changes: dict) -> int:
         return longest_context(shape, replace(opts, **changes), gpu_bytes, host_bytes)
@@ -201,7 +204,7 @@ def _advice(cfg: Any, world: int, sharding: str, gpu_bytes: float, host_bytes: f
     else:
         head += f"fits up to {as_is} tokens as configured: " if as_is else "fits no context as configured: "
         shorter = as_is
-    options = [(name, changes, reach(changes)) for name, changes in _memory_options(cfg, world, sharding)]
+    options = [(name, changes, reach(changes)) for name, changes in _memory_options(cfg, run, sharding)]
     fitting = [o for o in options if o[2] >= context]
     if fitting:
         tip = f"turn on {fitting[0][0]} (fits up to {fitting[0][2]} tokens)"

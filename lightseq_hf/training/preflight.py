@@ -20,6 +20,7 @@ from .config import ConfigError, FinetuneConfig
 from .data import data_fingerprint, load_raw_dataset, load_tokenizer, require_tokenizer
 from .layout import DataLayout, check_resume_layout, place_resume
 from .saving import read_completion_record
+from .shape import RunShape
 
 __all__ = ["preflight"]
 
@@ -45,30 +46,31 @@ def _model(cfg: FinetuneConfig) -> torch.nn.Module:
     return model
 
 
-def _resume_checks(cfg: FinetuneConfig, resume: Path, world: int | None) -> str:
+def _resume_checks(cfg: FinetuneConfig, resume: Path, run: RunShape | None) -> str:
     """The data, the layout and the schedule against the checkpoint's; what was compared, in words."""
     record = read_completion_record(resume)
     saved = {"step": record["step"], **record.get("meta", {})}
-    check_same_data(saved.get("data_fingerprint"), data_fingerprint(cfg), resume)
-    if not world:
+    check_same_data(saved.get("data_fingerprint"), data_fingerprint(cfg.data, cfg.context_length), resume)
+    if run is None:
         return "resume data matches (add --world-size N to check the layout and the schedule)"
-    t, sp = cfg.training, cfg.sp_size or world
-    now = DataLayout(world, sp, world // sp, t.batch_size, t.grad_accum, t.seed)
+    t = cfg.training
+    now = DataLayout.of(run, t.seed)
     samples = cfg.data.synthetic.num_samples if cfg.data.type == "synthetic" else None
     if t.max_steps is None and samples is None:
         note = check_resume_layout(saved.get("layout"), now, saved.get("samples_in_epoch", 0),
                                    saved.get("epoch", 0), resume)
         return f"resume data matches, {note} (the step count is known once the data is tokenized)"
-    total = count_steps(cfg, samples, now.dp_size) if samples is not None else t.max_steps
+    total = count_steps(t, samples, now.dp_size) if samples is not None else t.max_steps
     place = place_resume(saved, now, samples or 0, t.max_steps, t.epochs, total, resume)
-    changed = check_schedule(cfg, saved.get("schedule_steps"), place.total_steps, record["step"], resume,
-                             place.why)
+    changed = check_schedule(t, cfg.saving, saved.get("schedule_steps"), place.total_steps, record["step"],
+                             resume, place.why)
     return (f"resume data matches, {place.note}, schedule "
             + (f"changes ({cfg.saving.on_schedule_change})" if changed else "matches"))
 
 
-def preflight(cfg: FinetuneConfig, world: int | None, resume: Path | None) -> list[str]:
-    """Run the checks; what passed, in words. Raises ConfigError (or CheckpointError) as the run would."""
+def preflight(cfg: FinetuneConfig, run: RunShape | None, resume: Path | None) -> list[str]:
+    """Run the checks for a run in the shape ``run`` (None: the world size is not known); what passed, in
+    words. Raises ConfigError (or CheckpointError) as the run would."""
     done = []
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.path)
     if cfg.data.type != "synthetic":
@@ -81,5 +83,5 @@ def preflight(cfg: FinetuneConfig, world: int | None, resume: Path | None) -> li
         load_raw_dataset(cfg.data)
         done.append(f"data readable, column {cfg.data.text_field!r} present")
     if resume is not None:
-        done.append(_resume_checks(cfg, resume, world))
+        done.append(_resume_checks(cfg, resume, run))
     return done

@@ -10,39 +10,27 @@
   :mod:`lightseq_hf.parallel.failures`, which the library's own failure reports use). The rank that fails
   (out of memory, or any error of a training step, a save or an evaluation: :func:`tell_peers`)
   publishes its line and waits, a few seconds at most, until every peer has read it (a store that this
-  rank hosts must outlive the reading). :class:`PeerWatch`, a thread on every rank, reads the notices of
-  the others: a rank that has not failed itself prints ``stopped on rank R: <the notice>`` as its one
-  line and ends its process at once, whatever its main thread is blocked in (a collective waiting for
-  the failed rank would otherwise wait for ``training.timeout_s``, or end with a backend traceback).
-
-Every rank of a run that stops this way exits with status 1 (:data:`_EXIT_STOPPED`), the status of a run
-that stopped on a failure, each with one line.
+  rank hosts must outlive the reading); the other ranks read it through their watchdog
+  (:mod:`.watchdog`).
+* :func:`main_decides`: a decision of the main process (or its refusal) handed to every rank.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import re
-import sys
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.failures import PeerFailure, failure_line, is_comm_failure, publish_notice, read_notices
-from .output import release_output_dir_locks
+from ...parallel.failures import PeerFailure, failure_line, is_comm_failure, publish_notice, read_notices
 
-__all__ = ["FailureBoard", "OutOfMemoryStop", "PeerWatch", "is_out_of_memory", "main_decides",
-           "out_of_memory_line", "stop_for_out_of_memory", "tell_peers"]
+__all__ = ["FailureBoard", "OutOfMemoryStop", "is_out_of_memory", "main_decides", "out_of_memory_line",
+           "stop_for_out_of_memory", "tell_peers"]
 
-_EXIT_STOPPED = 1
-_PREFIX = "lightseq-finetune: "  # the fine-tune's one-line reports (cli._fail) start so
 _READ = "lightseq_failure/read/"
-_LINGER_S = 1.0  # a peer's exit after reading a notice waits this long: the failed rank prints first
 
 
 class OutOfMemoryStop(RuntimeError):
@@ -133,55 +121,6 @@ class FailureBoard:
         self._watch.add(f"{_READ}{rank}", 1)
 
 
-def _end_process(line: str, mark_read: Callable[[], None] = lambda: None) -> None:
-    """Print ``line`` as this process's one report, tell the failed rank (``mark_read``), and end the
-    process (exit status :data:`_EXIT_STOPPED`); what the process writes after the line is discarded."""
-    print(_PREFIX + line, file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    try:
-        mark_read()
-    finally:
-        release_output_dir_locks()
-        time.sleep(_LINGER_S)
-        os._exit(_EXIT_STOPPED)
-
-
-class PeerWatch(threading.Thread):
-    """Reads the other ranks' notices every ``interval_s``; the first one ends this process through
-    ``on_failure(line, mark_read)`` (default :func:`_end_process`), unless this rank published a notice
-    of its own (it then marks the others' notices read and reports its own failure itself)."""
-
-    def __init__(self, board: FailureBoard, interval_s: float = 0.2,
-                 on_failure: Callable[[str, Callable[[], None]], None] = _end_process) -> None:
-        super().__init__(name="lightseq-peer-watch", daemon=True)
-        self.board, self.interval_s, self.on_failure = board, interval_s, on_failure
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        read: set[int] = set()
-        while not self._stop_event.wait(self.interval_s):
-            try:
-                notices = {r: line for r, line in self.board.notices().items() if r not in read}
-                for rank, line in sorted(notices.items()):
-                    read.add(rank)
-                    if self.board.published:
-                        self.board.mark_read(rank)
-                    else:
-                        self.on_failure(f"stopped on rank {self.board.rank}: {line}",
-                                        lambda rank=rank: self.board.mark_read(rank))
-                        return
-            except Exception:  # the store is gone: the run is ending, by another path
-                return
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout=5)
-
-
 def tell_peers(board: FailureBoard | None, exc: BaseException) -> None:
     """Publish the failure ``exc`` of this rank (unless it is an effect of another rank's, or already told)
     and wait until the peers have read it: their watch ends them with a line naming this rank first."""
@@ -220,8 +159,8 @@ def main_decides(accelerator: Any, fn: Any) -> Any:
         dist.broadcast_object_list(result, src=0, device=device)
     if result[1] is not None:
         kind, msg = result[1]
-        from .errors import ConfigError
-        from .saving import CheckpointError
+        from ..errors import ConfigError
+        from ..saving import CheckpointError
 
         known = {"ConfigError": ConfigError, "CheckpointError": CheckpointError}
         raise known[kind](msg) if kind in known else RuntimeError(f"{kind}: {msg}")
