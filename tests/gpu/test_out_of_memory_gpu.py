@@ -1,7 +1,7 @@
 """Out of device memory on GPUs, and the allocator the fine-tune's workers start with.
 
-* A worker of ``lightseq-finetune`` (``cli`` sets the variable after torch is imported, before the first
-  CUDA allocation) gets a CUDA allocator with expandable segments; a user's setting is kept.
+* A process set up as a worker of ``lightseq-finetune`` is (the variable set after torch is imported, before
+  the first CUDA allocation) gets a CUDA allocator with expandable segments; a user's setting is kept.
 * ``scripts/finetune.py`` through ``accelerate launch`` (FSDP2, 2 GPUs, NCCL) at a context the planner
   puts far past this GPU (2 layers of the 7B widths, twice the longest context the planner fits on this
   card: 1M tokens on an 80 GB card, about 2M on a 141 GB one): every rank ends within seconds with one
@@ -28,10 +28,8 @@ if torch.cuda.device_count() < 2:
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import torch
-from lightseq_hf.training import cli
-from lightseq_hf.training.log import install_console_handler
-install_console_handler()  # as lightseq-finetune does: the worker's log line on stdout
-cli._start_worker()  # what a worker does before training: torch imported, CUDA untouched
+from lightseq_hf.training.processes.launch import use_expandable_segments
+print(use_expandable_segments())  # what a worker does before training: torch imported, CUDA untouched
 x = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
 snapshot = torch.cuda.memory._snapshot()
 expandable = [s.get("is_expandable") for s in snapshot["segments"]]
