@@ -1,5 +1,5 @@
 """The run's shape: how many processes, how they split a sequence and the data, and the tokens that
-follows for each rank and each optimizer step.
+follow for each rank and each optimizer step.
 
 :func:`run_shape` builds the one :class:`RunShape` of a config launched on a number of processes, and
 :func:`check_sizes` is where the sizes are checked to divide (the config's validation calls it before
